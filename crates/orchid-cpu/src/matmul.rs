@@ -1,0 +1,158 @@
+//! y = x·Wᵀ straight from the checkpoint's storage (f32/bf16/f16 or MLX affine). Each weight
+//! row is decoded once per call into f32 and used for every token, so a prefill chunk reads
+//! the weights once; rows are spread over threads.
+
+use half::{bf16, f16};
+use orchid_model::dtype::DType;
+use orchid_model::linear::{LinearWeight, WeightData};
+use rayon::prelude::*;
+
+use crate::simd::dot;
+use crate::tensor::CpuTensor;
+
+/// Decodes row `r` of `w` into `out` (len = cols) without allocating.
+pub fn decode_row(w: &LinearWeight, r: usize, out: &mut [f32]) {
+    let cols = w.cols;
+    match &w.data {
+        WeightData::Dense { data, dtype } => match dtype {
+            DType::F32 => out.copy_from_slice(&data.typed::<f32>()[r * cols..(r + 1) * cols]),
+            DType::BF16 => {
+                let src = &data.typed::<u16>()[r * cols..(r + 1) * cols];
+                out.iter_mut().zip(src).for_each(|(o, &b)| *o = bf16::from_bits(b).to_f32());
+            }
+            DType::F16 => {
+                let src = &data.typed::<u16>()[r * cols..(r + 1) * cols];
+                out.iter_mut().zip(src).for_each(|(o, &b)| *o = f16::from_bits(b).to_f32());
+            }
+            other => unreachable!("dense weights of {other:?} are rejected at load"),
+        },
+        WeightData::Affine(a) => {
+            let bits = a.bits as usize;
+            let per_word = 32 / bits;
+            let words_per_row = cols / per_word;
+            let groups = cols / a.group;
+            let packed = &a.packed.typed::<u32>()[r * words_per_row..(r + 1) * words_per_row];
+            let sb = |bytes: &[u8], g: usize| -> f32 {
+                let i = (r * groups + g) * a.sb_dtype.size();
+                match a.sb_dtype {
+                    DType::BF16 => bf16::from_bits(u16::from_le_bytes([bytes[i], bytes[i + 1]])).to_f32(),
+                    DType::F16 => f16::from_bits(u16::from_le_bytes([bytes[i], bytes[i + 1]])).to_f32(),
+                    _ => f32::from_le_bytes(bytes[i..i + 4].try_into().unwrap()),
+                }
+            };
+            let (sc, bi) = (a.scales.as_slice(), a.biases.as_slice());
+            let mask = (1u32 << bits) - 1;
+            let words_per_group = a.group / per_word;
+            for g in 0..groups {
+                let (s, b) = (sb(sc, g), sb(bi, g));
+                let ws = &packed[g * words_per_group..(g + 1) * words_per_group];
+                let o = &mut out[g * a.group..(g + 1) * a.group];
+                for (wi, word) in ws.iter().enumerate() {
+                    for i in 0..per_word {
+                        o[wi * per_word + i] = s * ((word >> (bits * i)) & mask) as f32 + b;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Weight rows handled by one task.
+const ROWS_PER_TASK: usize = 8;
+
+/// [T, in] · [out, in]ᵀ -> [T, out].
+pub fn matmul(x: &CpuTensor, w: &LinearWeight) -> CpuTensor {
+    assert_eq!(x.cols, w.cols, "matmul: x has {} columns, the weight {}", x.cols, w.cols);
+    let (t, k, n) = (x.rows, x.cols, w.rows);
+    // out_t is [n, t]: each task owns whole weight rows.
+    let mut out_t = vec![0f32; n * t];
+    out_t.par_chunks_mut(ROWS_PER_TASK * t).enumerate().for_each(|(ci, chunk)| {
+        let mut buf = vec![0f32; k];
+        for (ri, o) in chunk.chunks_mut(t).enumerate() {
+            decode_row(w, ci * ROWS_PER_TASK + ri, &mut buf);
+            for (ti, oi) in o.iter_mut().enumerate() {
+                *oi = dot(&x.data[ti * k..(ti + 1) * k], &buf);
+            }
+        }
+    });
+    if t == 1 {
+        return CpuTensor::from_vec(1, n, out_t);
+    }
+    let mut out = vec![0f32; t * n];
+    for r in 0..n {
+        for ti in 0..t {
+            out[ti * n + r] = out_t[r * t + ti];
+        }
+    }
+    CpuTensor::from_vec(t, n, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orchid_model::linear::AffineWeight;
+    use orchid_model::storage::Bytes;
+
+    fn rand(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    fn reference(x: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0f64; t * n];
+        for i in 0..t {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+            }
+        }
+        out
+    }
+
+    fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum();
+        let den: f64 = b.iter().map(|y| y * y).sum();
+        (num / den).sqrt()
+    }
+
+    #[test]
+    fn dense_and_affine_match_reference() {
+        for &(t, k, n) in &[(1, 64, 3), (5, 128, 17), (65, 256, 9)] {
+            let x = rand(t * k, 1);
+            let wv = rand(n * k, 2);
+            let w = LinearWeight::dense_f32(&wv, n, k);
+            let y = matmul(&CpuTensor::from_vec(t, k, x.clone()), &w);
+            assert!(rel_err(&y.data, &reference(&x, &wv, t, k, n)) < 1e-6);
+            for bits in [4u32, 8] {
+                let mut packed = Vec::new();
+                let mut sc = Vec::new();
+                let mut bi = Vec::new();
+                for r in 0..n {
+                    let (p, s, b) = orchid_model::quant::quantize_row(&wv[r * k..(r + 1) * k], bits, 32);
+                    packed.extend(p.iter().flat_map(|w| w.to_le_bytes()));
+                    sc.extend(s);
+                    bi.extend(b);
+                }
+                let aw = LinearWeight {
+                    rows: n,
+                    cols: k,
+                    data: WeightData::Affine(AffineWeight {
+                        packed: Bytes::from_vec(packed).aligned::<u32>(),
+                        scales: Bytes::from_vec(orchid_model::dtype::from_f32(DType::F32, &sc)),
+                        biases: Bytes::from_vec(orchid_model::dtype::from_f32(DType::F32, &bi)),
+                        sb_dtype: DType::F32,
+                        bits,
+                        group: 32,
+                    }),
+                };
+                let deq = aw.to_f32();
+                let y = matmul(&CpuTensor::from_vec(t, k, x.clone()), &aw);
+                assert!(rel_err(&y.data, &reference(&x, &deq, t, k, n)) < 1e-6);
+            }
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! Per-sequence state on the host: a growing KV cache per attention layer, and a conv window
+//! plus an fp32 recurrent state per GDN layer, in slots the engine allocates.
+
+use orchid_model::backend::{StateOptions, StatePool};
+use orchid_model::config::ModelConfig;
+
+/// K and V of one attention layer: [len, Hkv·D] each, post-norm post-RoPE K.
+#[derive(Default)]
+pub struct KvCache {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub len: usize,
+}
+
+pub struct GdnState {
+    /// The last K-1 pre-conv inputs, oldest first: [(K-1), C].
+    pub conv: Vec<f32>,
+    /// S per value head: [Hv, dk, dv].
+    pub recurrent: Vec<f32>,
+}
+
+pub struct SeqState {
+    pub kv: Vec<KvCache>,
+    pub gdn: Vec<GdnState>,
+}
+
+pub struct CpuState {
+    slots: Vec<Option<SeqState>>,
+    pub max_context: usize,
+    n_attn: usize,
+    n_gdn: usize,
+    conv_len: usize,
+    rec_len: usize,
+    kv_width: usize,
+}
+
+impl CpuState {
+    pub fn new(cfg: &ModelConfig, opts: StateOptions) -> CpuState {
+        let d = &cfg.deltanet;
+        CpuState {
+            slots: (0..opts.max_seqs).map(|_| None).collect(),
+            max_context: opts.max_context,
+            n_attn: cfg.num_attention_layers(),
+            n_gdn: cfg.num_deltanet_layers(),
+            conv_len: (d.conv_kernel - 1) * d.conv_dim(),
+            rec_len: d.num_v_heads * d.k_head_dim * d.v_head_dim,
+            kv_width: cfg.attention.kv_rows(),
+        }
+    }
+
+    /// The live state in `slot` (panics on a slot the engine did not allocate: an internal bug).
+    pub fn slot(&mut self, slot: usize) -> &mut SeqState {
+        self.slots[slot].as_mut().expect("state slot is not allocated")
+    }
+}
+
+impl StatePool for CpuState {
+    fn alloc(&mut self) -> Option<usize> {
+        let i = self.slots.iter().position(Option::is_none)?;
+        self.slots[i] = Some(SeqState {
+            kv: (0..self.n_attn).map(|_| KvCache::default()).collect(),
+            gdn: (0..self.n_gdn)
+                .map(|_| GdnState { conv: vec![0.0; self.conv_len], recurrent: vec![0.0; self.rec_len] })
+                .collect(),
+        });
+        Some(i)
+    }
+
+    fn free(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            *s = None;
+        }
+    }
+
+    fn in_use(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn bytes_in_use(&self) -> usize {
+        let fixed = self.n_gdn * (self.conv_len + self.rec_len) * 4;
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| fixed + s.kv.iter().map(|c| c.len * self.kv_width * 2 * 4).sum::<usize>())
+            .sum()
+    }
+}

@@ -1,0 +1,14 @@
+//! orchid-engine: everything between the HTTP surface and the model.
+//!
+//! - [`tokenizer`]: `tokenizer.json` + the special ids (eos set, think/tool-call markers).
+//! - [`chat_template`]: HF chat templates rendered with minijinja, byte-identical to transformers.
+//! - [`detokenize`]: streaming token ids back to text without splitting characters.
+
+pub mod chat_template;
+pub mod detokenize;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use chat_template::{ChatTemplate, ChatTemplateError};
+pub use detokenize::Detokenizer;
+pub use tokenizer::{MarkerIds, Tokenizer};

@@ -1,0 +1,144 @@
+//! The narrow interface the forward pass is written against. A backend owns its tensors and
+//! weights; the model never looks inside them. The CPU backend is the f32 reference of every
+//! op; the CUDA backend implements the same ops with fused kernels.
+//!
+//! Shapes: T tokens in the flat batch, H hidden, Hq/Hkv attention heads of D, Hk/Hv GDN heads
+//! of dk/dv, C = conv channels (2·Hk·dk + Hv·dv), E experts.
+
+use crate::batch::BatchLayout;
+use crate::config::{AttentionDims, DeltaNetDims, ModelConfig, MoeDims};
+use crate::error::Result;
+use crate::linear::LinearWeight;
+use crate::weights::HostMlp;
+
+/// Per-sequence decode state: KV caches of the attention layers and the conv + recurrent
+/// states of the GDN layers, in slots the engine allocates.
+pub trait StatePool: Send {
+    /// Claims a free slot, reset to an empty sequence; `None` when all are in use.
+    fn alloc(&mut self) -> Option<usize>;
+    /// Releases a slot.
+    fn free(&mut self, slot: usize);
+    /// Slots in use.
+    fn in_use(&self) -> usize;
+    /// Number of slots.
+    fn capacity(&self) -> usize;
+    /// Bytes of state currently held by live sequences.
+    fn bytes_in_use(&self) -> usize;
+}
+
+/// Sizes the engine asks a state pool for.
+#[derive(Clone, Copy, Debug)]
+pub struct StateOptions {
+    pub max_seqs: usize,
+    /// Longest context one sequence may reach (positions).
+    pub max_context: usize,
+}
+
+/// The attention inputs of one layer. q_gate [T, Hq·D·(1+gate)], k/v [T, Hkv·D].
+pub struct AttentionInputs<'a, B: Backend> {
+    pub q_gate: &'a B::Tensor,
+    pub k: &'a B::Tensor,
+    pub v: &'a B::Tensor,
+    pub q_norm: &'a B::Vector,
+    pub k_norm: &'a B::Vector,
+}
+
+/// The GDN inputs of one layer. qkv [T, C], z [T, Hv·dv], b/a [T, Hv].
+pub struct DeltaNetInputs<'a, B: Backend> {
+    pub qkv: &'a B::Tensor,
+    pub z: &'a B::Tensor,
+    pub b: &'a B::Tensor,
+    pub a: &'a B::Tensor,
+    /// [C, K] conv taps, [Hv] A_log and dt_bias, [dv] gated-norm weight.
+    pub conv: &'a B::Vector,
+    pub a_log: &'a B::Vector,
+    pub dt_bias: &'a B::Vector,
+    pub norm: &'a B::Vector,
+}
+
+/// The uploaded weights of one MoE block.
+pub struct MoeWeights<B: Backend> {
+    pub router: B::Linear,
+    pub experts: B::Experts,
+    pub shared: Option<Mlp<B>>,
+    pub shared_gate: Option<B::Linear>,
+}
+
+/// A SwiGLU MLP: down(silu(gate(x)) ⊙ up(x)).
+pub struct Mlp<B: Backend> {
+    pub gate_proj: B::Linear,
+    pub up_proj: B::Linear,
+    pub down_proj: B::Linear,
+}
+
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// A row-major [rows, cols] activation matrix.
+    type Tensor: Send;
+    /// A weight matrix W [out, in] for y = x·Wᵀ.
+    type Linear: Send + Sync;
+    /// A small f32 parameter vector.
+    type Vector: Send + Sync;
+    /// The routed experts of one MoE layer.
+    type Experts: Send + Sync;
+    type State: StatePool;
+
+    /// One line for logs: device name and memory.
+    fn describe(&self) -> String;
+
+    fn upload_linear(&self, w: &LinearWeight) -> Result<Self::Linear>;
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
+    fn upload_experts(&self, experts: &[HostMlp]) -> Result<Self::Experts>;
+    fn new_state(&self, cfg: &ModelConfig, opts: StateOptions) -> Result<Self::State>;
+
+    /// Rows of the embedding table for `ids` -> [T, H].
+    fn embed(&self, table: &Self::Linear, ids: &[u32]) -> Result<Self::Tensor>;
+    /// y = x / sqrt(mean(x²) + eps) · w, per row (w holds the full multiplier).
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
+    /// x += y.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// x += y, then returns rms_norm(x). Backends may fuse.
+    fn add_rms_norm(&self, x: &mut Self::Tensor, y: &Self::Tensor, w: &Self::Vector, eps: f32) -> Result<Self::Tensor> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, w, eps)
+    }
+    /// x·Wᵀ: [T, in] -> [T, out].
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Linear) -> Result<Self::Tensor>;
+    /// silu(gate) ⊙ up.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// The rows `rows` of x, in that order.
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+    /// Copies a tensor to the host (row-major f32).
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+
+    /// Gated attention core of one layer (model-spec §3.5): splits query|gate per head,
+    /// q/k RMSNorm, partial RoPE at each token's position, appends K/V to the cache of
+    /// attention layer `layer` in each span's slot, causal GQA softmax attention over the
+    /// cache, multiplies by sigmoid(gate). Returns [T, Hq·D].
+    fn attention(
+        &self,
+        inp: AttentionInputs<'_, Self>,
+        dims: &AttentionDims,
+        eps: f32,
+        layer: usize,
+        batch: &BatchLayout,
+        state: &mut Self::State,
+    ) -> Result<Self::Tensor>;
+
+    /// Gated DeltaNet core of one layer (model-spec §3.6–3.7): causal depthwise conv with the
+    /// slot's conv state + SiLU, L2-normalised q/k, β = sigmoid(b), g = −exp(A_log)·softplus(a +
+    /// dt_bias), the delta-rule recurrence on the fp32 state (chunked for spans longer than
+    /// one token), and the gated RMSNorm with SiLU(z). Returns [T, Hv·dv].
+    fn deltanet(
+        &self,
+        inp: DeltaNetInputs<'_, Self>,
+        dims: &DeltaNetDims,
+        eps: f32,
+        layer: usize,
+        batch: &BatchLayout,
+        state: &mut Self::State,
+    ) -> Result<Self::Tensor>;
+
+    /// The sparse MoE block (model-spec §3.8): softmax router over all experts, top-k,
+    /// optional renormalisation, SwiGLU experts, shared expert with a sigmoid gate. [T, H] -> [T, H].
+    fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<Self::Tensor>;
+}

@@ -1,0 +1,59 @@
+//! Gated DeltaNet (model-spec §3.6–3.7): in_proj_qkv / z / b / a, causal conv + SiLU, the
+//! delta-rule recurrence with decay g and rate β on an fp32 state, gated RMSNorm, out_proj.
+
+use crate::backend::{Backend, DeltaNetInputs};
+use crate::batch::BatchLayout;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::weights::HostDeltaNet;
+
+pub struct GatedDeltaNet<B: Backend> {
+    pub in_proj_qkv: B::Linear,
+    pub in_proj_z: B::Linear,
+    pub in_proj_b: B::Linear,
+    pub in_proj_a: B::Linear,
+    pub out_proj: B::Linear,
+    pub conv1d: B::Vector,
+    pub a_log: B::Vector,
+    pub dt_bias: B::Vector,
+    pub norm: B::Vector,
+    /// This layer's index among the GDN layers (its conv and recurrent state).
+    pub state_index: usize,
+}
+
+impl<B: Backend> GatedDeltaNet<B> {
+    pub fn new(b: &B, w: &HostDeltaNet, state_index: usize) -> Result<Self> {
+        Ok(GatedDeltaNet {
+            in_proj_qkv: b.upload_linear(&w.in_proj_qkv)?,
+            in_proj_z: b.upload_linear(&w.in_proj_z)?,
+            in_proj_b: b.upload_linear(&w.in_proj_b)?,
+            in_proj_a: b.upload_linear(&w.in_proj_a)?,
+            out_proj: b.upload_linear(&w.out_proj)?,
+            conv1d: b.upload_vector(&w.conv)?,
+            a_log: b.upload_vector(&w.a_log)?,
+            dt_bias: b.upload_vector(&w.dt_bias)?,
+            norm: b.upload_vector(&w.norm)?,
+            state_index,
+        })
+    }
+
+    /// xn [T, H] -> [T, H].
+    pub fn forward(&self, b: &B, xn: &B::Tensor, cfg: &ModelConfig, batch: &BatchLayout, state: &mut B::State) -> Result<B::Tensor> {
+        let qkv = b.matmul(xn, &self.in_proj_qkv)?;
+        let z = b.matmul(xn, &self.in_proj_z)?;
+        let beta_in = b.matmul(xn, &self.in_proj_b)?;
+        let a = b.matmul(xn, &self.in_proj_a)?;
+        let inp = DeltaNetInputs {
+            qkv: &qkv,
+            z: &z,
+            b: &beta_in,
+            a: &a,
+            conv: &self.conv1d,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+        };
+        let o = b.deltanet(inp, &cfg.deltanet, cfg.rms_norm_eps, self.state_index, batch, state)?;
+        b.matmul(&o, &self.out_proj)
+    }
+}

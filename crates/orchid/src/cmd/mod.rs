@@ -1,0 +1,4 @@
+//! One module per subcommand.
+pub mod common;
+pub mod eval;
+pub mod tokenize;

@@ -1,0 +1,44 @@
+//! `orchid`: the command-line entry point. Each subcommand lives in `cmd/<name>.rs`.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "orchid", version, about = "Fast inference for the Qwen3.5/3.6 hybrid MoE family")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Teacher-forced perplexity (JSON), logit dumps and comparison with another engine.
+    Eval(cmd::eval::EvalArgs),
+    /// Encode text with a checkpoint's tokenizer and print the ids as JSON (a testing aid).
+    #[command(hide = true)]
+    Tokenize(cmd::tokenize::TokenizeArgs),
+    /// Render a chat request (JSON) with the checkpoint's chat template (a testing aid).
+    #[command(hide = true)]
+    RenderChat(cmd::tokenize::RenderChatArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ORCHID_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Eval(a) => cmd::eval::run(a),
+        Command::Tokenize(a) => cmd::tokenize::run_tokenize(a),
+        Command::RenderChat(a) => cmd::tokenize::run_render_chat(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
