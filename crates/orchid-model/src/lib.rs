@@ -13,6 +13,7 @@ pub mod quant;
 pub mod safetensors;
 pub mod storage;
 pub mod weights;
+pub mod writer;
 
 pub use backend::{Backend, StateOptions, StatePool};
 pub use batch::{BatchLayout, LogitRows, SeqSpan};

@@ -104,12 +104,12 @@ struct Loader<'a> {
 }
 
 pub fn load(cfg: &ModelConfig, ck: &Checkpoint) -> Result<HostWeights> {
-    let naming = if ck.contains("language_model.model.embed_tokens.weight") {
-        Naming { base: "language_model.model.", lm_head: "language_model.lm_head", norms_baked: true }
+    let (base, lm_head) = if ck.contains("language_model.model.embed_tokens.weight") {
+        ("language_model.model.", "language_model.lm_head")
     } else if ck.contains("model.language_model.embed_tokens.weight") {
-        Naming { base: "model.language_model.", lm_head: "lm_head", norms_baked: false }
+        ("model.language_model.", "lm_head")
     } else if ck.contains("model.embed_tokens.weight") {
-        Naming { base: "model.", lm_head: "lm_head", norms_baked: false }
+        ("model.", "lm_head")
     } else {
         return Err(Error::tensor(
             &ck.dir,
@@ -117,7 +117,16 @@ pub fn load(cfg: &ModelConfig, ck: &Checkpoint) -> Result<HostWeights> {
             "missing: no embedding table under any known prefix (model.language_model., model., language_model.model.)",
         ));
     };
-    let l = Loader { ck, cfg, naming };
+    // mlx-lm's rule: a file whose conv1d weights are already in MLX layout [C, K, 1] was
+    // written by MLX, which bakes 1+w into the RMSNorm weights.
+    let mlx_conv = ck
+        .names()
+        .filter(|n| n.ends_with("linear_attn.conv1d.weight"))
+        .filter_map(|n| ck.get(n))
+        .map(|t| t.shape.len() == 3 && t.shape[2] == 1 && t.shape[1] > 1)
+        .collect::<Vec<bool>>();
+    let norms_baked = if mlx_conv.is_empty() { base == "language_model.model." } else { mlx_conv.contains(&true) };
+    let l = Loader { ck, cfg, naming: Naming { base, lm_head, norms_baked } };
     l.load_all()
 }
 

@@ -1,0 +1,442 @@
+//! The generation loop. One thread owns the model and the state pool; clients talk to it
+//! through channels. Each step: admit queued requests into free state slots, build one flat
+//! batch (one token for every decoding sequence, plus prefill chunks of new ones), run the
+//! model, sample, stream events. A client that drops its receiver cancels its request.
+//!
+//! Determinism: a sequence's prompt is always split at the same chunk boundaries and every
+//! op computes each row independently, so a request's output does not depend on what else
+//! is running.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+
+use orchid_model::{Backend, BatchLayout, LogitRows, Model, SeqSpan, StateOptions, StatePool};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::detokenize::Detokenizer;
+use crate::request::{Event, FinishReason, GenerateRequest, SubmitError, Usage};
+use crate::sampling::{Sampler, logprobs};
+use crate::stop::{StopMatcher, StopOutcome};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Sequences decoded together (state slots).
+    pub max_seqs: usize,
+    /// Longest prompt + output of one sequence.
+    pub max_context: usize,
+    /// Prompt tokens run per forward call for one sequence.
+    pub prefill_chunk: usize,
+    /// Requests allowed to wait for a slot.
+    pub max_queue: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { max_seqs: 16, max_context: 32768, prefill_chunk: 512, max_queue: 64 }
+    }
+}
+
+/// Facts about the loaded model, known once loading finished.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub device: String,
+    pub max_context: usize,
+    pub vocab_size: usize,
+    pub weight_bytes: usize,
+    pub num_layers: usize,
+}
+
+/// Live counters for /metrics.
+#[derive(Default, Debug)]
+pub struct EngineStats {
+    pub queued: AtomicUsize,
+    pub running: AtomicUsize,
+    pub state_bytes: AtomicUsize,
+    pub state_slots: AtomicUsize,
+    pub cancelled: AtomicUsize,
+    pub prompt_tokens: AtomicUsize,
+    pub generated_tokens: AtomicUsize,
+}
+
+enum Command {
+    Submit(Box<GenerateRequest>, UnboundedSender<Event>),
+    /// Stop admitting; finish running requests (drain) or cancel them, then exit.
+    Shutdown { drain: bool },
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<Command>,
+    info: Arc<OnceLock<Result<ModelInfo, String>>>,
+    stats: Arc<EngineStats>,
+    opts: EngineOptions,
+    stopped: Arc<AtomicBool>,
+    thread: Arc<std::sync::Mutex<Option<JoinHandle<()>>>>,
+}
+
+impl EngineHandle {
+    /// Queues a request; events arrive on the returned receiver (drop it to cancel).
+    pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        let max = match self.info.get() {
+            Some(Ok(i)) => i.max_context,
+            Some(Err(_)) => return Err(SubmitError::Stopped),
+            None => return Err(SubmitError::NotReady),
+        };
+        if self.stopped.load(Ordering::Relaxed) {
+            return Err(SubmitError::Stopped);
+        }
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if req.prompt.len() >= max {
+            return Err(SubmitError::ContextLength { prompt: req.prompt.len(), max });
+        }
+        // Reserve a queue place; the engine releases it when it admits or drops the request.
+        let q = self.stats.queued.fetch_add(1, Ordering::SeqCst);
+        if q >= self.opts.max_queue {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull);
+        }
+        let (etx, erx) = unbounded_channel();
+        if self.tx.send(Command::Submit(Box::new(req), etx)).is_err() {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::Stopped);
+        }
+        Ok(erx)
+    }
+
+    /// Blocks until the model is loaded (or failed to load).
+    pub fn wait_ready(&self) -> Result<ModelInfo, String> {
+        loop {
+            if let Some(r) = self.info.get() {
+                return r.clone();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    pub fn info(&self) -> Option<ModelInfo> {
+        self.info.get().and_then(|r| r.as_ref().ok().cloned())
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    /// Stops the engine (finishing running requests when `drain`) and waits for its thread.
+    pub fn shutdown(&self, drain: bool) {
+        self.stopped.store(true, Ordering::Relaxed);
+        let _ = self.tx.send(Command::Shutdown { drain });
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts the engine thread; `load` runs on it (so device contexts live on that thread).
+pub fn spawn<B, F>(opts: EngineOptions, tokenizer: Arc<Tokenizer>, load: F) -> EngineHandle
+where
+    B: Backend,
+    F: FnOnce() -> anyhow::Result<Model<B>> + Send + 'static,
+{
+    let (tx, rx) = channel();
+    let info = Arc::new(OnceLock::new());
+    let stats = Arc::new(EngineStats::default());
+    let (info2, stats2, opts2) = (info.clone(), stats.clone(), opts.clone());
+    let thread = std::thread::Builder::new()
+        .name("orchid-engine".into())
+        .spawn(move || {
+            let model = match load() {
+                Ok(m) => m,
+                Err(e) => {
+                    let _ = info2.set(Err(format!("{e:#}")));
+                    return;
+                }
+            };
+            let max_context = opts2.max_context.min(model.config.max_position_embeddings);
+            let state = match model.new_state(StateOptions { max_seqs: opts2.max_seqs, max_context }) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = info2.set(Err(e.to_string()));
+                    return;
+                }
+            };
+            let _ = info2.set(Ok(ModelInfo {
+                device: model.backend.describe(),
+                max_context,
+                vocab_size: tokenizer.vocab_size().min(model.config.vocab_size),
+                weight_bytes: model.weight_bytes,
+                num_layers: model.config.num_layers(),
+            }));
+            let mut e = Engine { model, state, tokenizer, opts: opts2, max_context, stats: stats2, waiting: VecDeque::new(), running: Vec::new() };
+            e.run(rx);
+        })
+        .expect("spawning the engine thread");
+    EngineHandle {
+        tx,
+        info,
+        stats,
+        opts,
+        stopped: Arc::new(AtomicBool::new(false)),
+        thread: Arc::new(std::sync::Mutex::new(Some(thread))),
+    }
+}
+
+struct Seq {
+    slot: usize,
+    prompt: Vec<u32>,
+    /// Prompt tokens already run.
+    prefilled: usize,
+    generated: Vec<u32>,
+    sampler: Sampler,
+    detok: Detokenizer,
+    stop: StopMatcher,
+    req: GenerateRequest,
+    tx: UnboundedSender<Event>,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.prefilled == self.prompt.len()
+    }
+    /// Position of the next token fed to the model.
+    fn position(&self) -> usize {
+        if self.decoding() { self.prompt.len() + self.generated.len() - 1 } else { self.prefilled }
+    }
+}
+
+struct Engine<B: Backend> {
+    model: Model<B>,
+    state: B::State,
+    tokenizer: Arc<Tokenizer>,
+    opts: EngineOptions,
+    max_context: usize,
+    stats: Arc<EngineStats>,
+    waiting: VecDeque<(Box<GenerateRequest>, UnboundedSender<Event>)>,
+    running: Vec<Seq>,
+}
+
+impl<B: Backend> Engine<B> {
+    fn run(&mut self, rx: Receiver<Command>) {
+        let mut draining = None;
+        loop {
+            // Block only when there is nothing to do.
+            let idle = self.running.is_empty() && self.waiting.is_empty();
+            if idle && draining.is_some() {
+                break;
+            }
+            let first = if idle {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => break,
+                }
+            } else {
+                None
+            };
+            for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                match cmd {
+                    Command::Submit(req, tx) => {
+                        if draining.is_some() {
+                            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                            let _ = tx.send(Event::Error("the server is shutting down".into()));
+                        } else {
+                            self.waiting.push_back((req, tx));
+                        }
+                    }
+                    Command::Shutdown { drain } => draining = Some(drain),
+                }
+            }
+            if draining == Some(false) {
+                for s in std::mem::take(&mut self.running) {
+                    let _ = s.tx.send(Event::Error("the server is shutting down".into()));
+                    self.state.free(s.slot);
+                }
+                for (_, tx) in std::mem::take(&mut self.waiting) {
+                    self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                    let _ = tx.send(Event::Error("the server is shutting down".into()));
+                }
+                break;
+            }
+            self.admit();
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.publish_stats();
+        }
+        self.publish_stats();
+    }
+
+    fn admit(&mut self) {
+        while let Some((req, tx)) = self.waiting.pop_front() {
+            if tx.is_closed() {
+                self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let Some(slot) = self.state.alloc() else {
+                self.waiting.push_front((req, tx));
+                return;
+            };
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            self.stats.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
+            let req = *req;
+            self.running.push(Seq {
+                slot,
+                prompt: req.prompt.clone(),
+                prefilled: 0,
+                generated: Vec::new(),
+                sampler: Sampler::new(req.sampling.clone(), &req.prompt),
+                detok: Detokenizer::with_context(self.tokenizer.clone(), req.skip_special_tokens, &req.prompt),
+                stop: StopMatcher::new(req.stop.clone()),
+                req,
+                tx,
+            });
+        }
+    }
+
+    /// One forward call over every decoding sequence plus the next prefill chunks.
+    fn step(&mut self) {
+        let chunk = self.opts.prefill_chunk.max(1);
+        let mut ids = Vec::new();
+        let mut spans = Vec::new();
+        let mut members = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if s.decoding() {
+                ids.push(*s.generated.last().expect("a decoding sequence has a sampled token"));
+                spans.push(SeqSpan { slot: s.slot, start: s.position(), len: 1 });
+                members.push(i);
+            }
+        }
+        let mut budget = chunk;
+        for (i, s) in self.running.iter().enumerate() {
+            if !s.decoding() {
+                let n = chunk.min(s.prompt.len() - s.prefilled);
+                if n > budget && budget < chunk {
+                    break;
+                }
+                ids.extend_from_slice(&s.prompt[s.prefilled..s.prefilled + n]);
+                spans.push(SeqSpan { slot: s.slot, start: s.prefilled, len: n });
+                members.push(i);
+                budget = budget.saturating_sub(n);
+                if budget == 0 {
+                    break;
+                }
+            }
+        }
+        let batch = BatchLayout { spans };
+        let logits = self
+            .model
+            .forward(&ids, &batch, &mut self.state, LogitRows::LastOfEachSpan)
+            .and_then(|l| self.model.backend.to_host(&l));
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                let msg = format!("inference failed: {e}");
+                tracing::error!("{msg}");
+                for &i in &members {
+                    let _ = self.running[i].tx.send(Event::Error(msg.clone()));
+                }
+                self.retire(&members);
+                return;
+            }
+        };
+        let v = self.model.config.vocab_size;
+        let valid = self.tokenizer.vocab_size().min(v);
+        let mut done = Vec::new();
+        for (row, (&i, span)) in members.iter().zip(&batch.spans).enumerate() {
+            let s = &mut self.running[i];
+            if !s.decoding() {
+                s.prefilled += span.len;
+                if !s.decoding() {
+                    continue;
+                }
+            }
+            let l = &logits[row * v..(row + 1) * v];
+            let tok = s.sampler.sample(l, valid);
+            let lp = s.req.logprobs.map(|n| logprobs(l, valid, tok, n));
+            if !emit(s, tok, lp, self.max_context) {
+                done.push(i);
+            }
+        }
+        self.stats.generated_tokens.fetch_add(members.len() - done.len(), Ordering::Relaxed);
+        self.retire(&done);
+    }
+
+    /// Frees the slots of finished or failed sequences.
+    fn retire(&mut self, idx: &[usize]) {
+        let mut idx = idx.to_vec();
+        idx.sort_unstable();
+        for &i in idx.iter().rev() {
+            let s = self.running.remove(i);
+            if s.tx.is_closed() {
+                self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            self.state.free(s.slot);
+        }
+    }
+
+    fn publish_stats(&self) {
+        self.stats.running.store(self.running.len(), Ordering::Relaxed);
+        self.stats.state_bytes.store(self.state.bytes_in_use(), Ordering::Relaxed);
+        self.stats.state_slots.store(self.state.capacity(), Ordering::Relaxed);
+    }
+}
+
+/// Records a sampled token and streams it; false when the sequence is finished (or its
+/// client is gone).
+fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_context: usize) -> bool {
+    s.sampler.observe(tok);
+    s.generated.push(tok);
+    let usage = Usage { prompt_tokens: s.prompt.len(), completion_tokens: s.generated.len() };
+    let finish = |s: &mut Seq, reason: FinishReason, text: String| {
+        let _ = s.tx.send(Event::Finished { reason, text, usage });
+        false
+    };
+    if s.req.stop_token_ids.contains(&tok) {
+        // The end-of-turn token is not text; release what was held back.
+        if s.tx.send(Event::Token { id: tok, text: String::new(), logprob: lp }).is_err() {
+            return false;
+        }
+        let rest = s.detok.finish();
+        let text = match s.stop.push(&rest) {
+            StopOutcome::Continue(t) => t + &s.stop.flush(),
+            StopOutcome::Stopped(t) => t,
+        };
+        return finish(s, FinishReason::Stop, text);
+    }
+    let piece = s.detok.push(tok);
+    match s.stop.push(&piece) {
+        StopOutcome::Stopped(t) => {
+            if s.tx.send(Event::Token { id: tok, text: t, logprob: lp }).is_err() {
+                return false;
+            }
+            finish(s, FinishReason::Stop, String::new())
+        }
+        StopOutcome::Continue(t) => {
+            if s.tx.send(Event::Token { id: tok, text: t, logprob: lp }).is_err() {
+                return false;
+            }
+            let at_limit = s.generated.len() >= s.req.max_tokens || s.prompt.len() + s.generated.len() >= max_context;
+            if !at_limit {
+                return true;
+            }
+            let rest = s.detok.finish();
+            match s.stop.push(&rest) {
+                StopOutcome::Stopped(t) => finish(s, FinishReason::Stop, t),
+                StopOutcome::Continue(t) => {
+                    let text = t + &s.stop.flush();
+                    finish(s, FinishReason::Length, text)
+                }
+            }
+        }
+    }
+}
