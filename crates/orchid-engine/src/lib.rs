@@ -5,8 +5,12 @@
 //! - [`detokenize`]: streaming token ids back to text without splitting characters.
 
 pub mod chat_template;
+pub mod defaults;
 pub mod detokenize;
+pub mod engine;
+pub mod request;
 pub mod sampling;
+pub mod stop;
 pub mod tokenizer;
 
 pub use chat_template::{ChatTemplate, ChatTemplateError};

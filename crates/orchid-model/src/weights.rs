@@ -89,6 +89,33 @@ pub struct HostMoe {
     pub shared_gate: Option<LinearWeight>,
 }
 
+/// Qwen3-Next's fused `in_proj_qkvz` holds, per key head g, rows [q_g | k_g | v_g | z_g]
+/// (v_g and z_g cover that key head's Hv/Hk value heads). Row i of the canonical
+/// [q_all | k_all | v_all | z_all] matrix is row `order[i]` of the fused one.
+pub fn qwen3_next_qkvz_order(d: &crate::config::DeltaNetDims) -> Vec<usize> {
+    let (dk, rv) = (d.k_head_dim, d.v_per_k() * d.v_head_dim);
+    let g_rows = 2 * dk + 2 * rv;
+    let mut order = Vec::with_capacity(d.num_k_heads * g_rows);
+    for (off, len) in [(0, dk), (dk, dk), (2 * dk, rv), (2 * dk + rv, rv)] {
+        for g in 0..d.num_k_heads {
+            order.extend((0..len).map(|i| g * g_rows + off + i));
+        }
+    }
+    order
+}
+
+/// The same for `in_proj_ba`: per key head [b_g | a_g] -> canonical [b_all | a_all].
+pub fn qwen3_next_ba_order(d: &crate::config::DeltaNetDims) -> Vec<usize> {
+    let r = d.v_per_k();
+    let mut order = Vec::with_capacity(2 * d.num_v_heads);
+    for off in [0, r] {
+        for g in 0..d.num_k_heads {
+            order.extend((0..r).map(|i| g * 2 * r + off + i));
+        }
+    }
+    order
+}
+
 /// How names are spelled in this checkpoint.
 struct Naming {
     base: &'static str,
@@ -189,22 +216,8 @@ impl Loader<'_> {
                 // Qwen3-Next: per key-head groups [q_g | k_g | v_g (r·dv) | z_g (r·dv)] and [b_g (r) | a_g (r)].
                 let qkvz = self.linear(&format!("{la}in_proj_qkvz"), 2 * kd + 2 * vd, h)?;
                 let ba = self.linear(&format!("{la}in_proj_ba"), 2 * hv, h)?;
-                let (dk, r, rv) = (d.k_head_dim, d.v_per_k(), d.v_per_k() * d.v_head_dim);
-                let g_rows = 2 * dk + 2 * rv;
-                let mut perm = Vec::with_capacity(qkvz.rows);
-                for (off, len) in [(0, dk), (dk, dk), (2 * dk, rv), (2 * dk + rv, rv)] {
-                    for g in 0..d.num_k_heads {
-                        perm.extend((0..len).map(|i| g * g_rows + off + i));
-                    }
-                }
-                let qkvz = qkvz.permute_rows(&perm);
-                let mut perm_ba = Vec::with_capacity(2 * hv);
-                for off in [0, r] {
-                    for g in 0..d.num_k_heads {
-                        perm_ba.extend((0..r).map(|i| g * 2 * r + off + i));
-                    }
-                }
-                let ba = ba.permute_rows(&perm_ba);
+                let qkvz = qkvz.permute_rows(&qwen3_next_qkvz_order(d));
+                let ba = ba.permute_rows(&qwen3_next_ba_order(d));
                 (qkvz.rows_range(0..2 * kd + vd), qkvz.rows_range(2 * kd + vd..2 * kd + 2 * vd), ba.rows_range(0..hv), ba.rows_range(hv..2 * hv))
             } else {
                 (

@@ -13,8 +13,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// One chat turn (or, with --raw, a plain completion), streamed to stdout.
+    Run(cmd::run::RunArgs),
+    /// An interactive conversation in the terminal.
+    Chat(cmd::chat::ChatArgs),
     /// Teacher-forced perplexity (JSON), logit dumps and comparison with another engine.
     Eval(cmd::eval::EvalArgs),
+    /// Write a random-weight checkpoint of any config (HF or MLX layout).
+    Synth(cmd::synth::SynthArgs),
+    /// Convert an HF checkpoint to MLX affine 4-bit (or 8-bit), readable by mlx-lm.
+    Quantize(cmd::quantize::QuantizeArgs),
     /// Encode text with a checkpoint's tokenizer and print the ids as JSON (a testing aid).
     #[command(hide = true)]
     Tokenize(cmd::tokenize::TokenizeArgs),
@@ -33,7 +41,11 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(a) => cmd::run::run(a),
+        Command::Chat(a) => cmd::chat::run(a),
         Command::Eval(a) => cmd::eval::run(a),
+        Command::Synth(a) => cmd::synth::run(a),
+        Command::Quantize(a) => cmd::quantize::run(a),
         Command::Tokenize(a) => cmd::tokenize::run_tokenize(a),
         Command::RenderChat(a) => cmd::tokenize::run_render_chat(a),
     };

@@ -63,3 +63,112 @@ pub fn resolve_device(d: Device) -> Result<Device> {
         Device::Cuda => bail!("this build has no CUDA backend yet"),
     }
 }
+
+/// Tokenizer, chat template and a running engine for `dir` on `device`.
+pub struct Loaded {
+    pub tokenizer: std::sync::Arc<orchid_engine::Tokenizer>,
+    pub engine: orchid_engine::engine::EngineHandle,
+}
+
+pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::EngineOptions) -> Result<Loaded> {
+    let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir)?);
+    let dir2 = dir.to_path_buf();
+    let engine = match resolve_device(device)? {
+        Device::Cpu | Device::Auto => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cpu(&dir2)),
+        Device::Cuda => unreachable!("resolve_device rejects cuda in this build"),
+    };
+    Ok(Loaded { tokenizer, engine })
+}
+
+/// Sampling flags shared by `run` and `chat`; unset flags fall back to the checkpoint's
+/// generation_config.json.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// 0 = greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    #[arg(long)]
+    pub presence_penalty: Option<f32>,
+    #[arg(long)]
+    pub frequency_penalty: Option<f32>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Greedy decoding (same as --temperature 0).
+    #[arg(long)]
+    pub greedy: bool,
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Stop string (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self, dir: &Path) -> orchid_engine::sampling::SamplingParams {
+        let mut p = orchid_engine::defaults::sampling_defaults(dir);
+        if let Some(x) = self.temperature {
+            p.temperature = x;
+        }
+        if self.greedy {
+            p.temperature = 0.0;
+        }
+        if let Some(x) = self.top_k {
+            p.top_k = x;
+        }
+        if let Some(x) = self.top_p {
+            p.top_p = x;
+        }
+        if let Some(x) = self.min_p {
+            p.min_p = x;
+        }
+        if let Some(x) = self.repetition_penalty {
+            p.repetition_penalty = x;
+        }
+        if let Some(x) = self.presence_penalty {
+            p.presence_penalty = x;
+        }
+        if let Some(x) = self.frequency_penalty {
+            p.frequency_penalty = x;
+        }
+        p.seed = self.seed;
+        p
+    }
+}
+
+/// Streams one request's text to `out`; returns (generated tokens, seconds to first token, total seconds).
+pub fn stream_to(
+    loaded: &Loaded,
+    req: orchid_engine::request::GenerateRequest,
+    out: &mut dyn std::io::Write,
+) -> Result<(usize, f64, f64, String)> {
+    use orchid_engine::request::Event;
+    let t0 = std::time::Instant::now();
+    let mut rx = loaded.engine.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (mut n, mut first, mut text) = (0usize, None, String::new());
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token { text: t, .. } => {
+                n += 1;
+                first.get_or_insert(t0.elapsed().as_secs_f64());
+                out.write_all(t.as_bytes())?;
+                out.flush()?;
+                text.push_str(&t);
+            }
+            Event::Finished { text: t, .. } => {
+                out.write_all(t.as_bytes())?;
+                text.push_str(&t);
+                break;
+            }
+            Event::Error(e) => bail!("generation failed: {e}"),
+        }
+    }
+    Ok((n, first.unwrap_or(0.0), t0.elapsed().as_secs_f64(), text))
+}

@@ -1,4 +1,9 @@
 //! One module per subcommand.
+pub mod chat;
 pub mod common;
 pub mod eval;
+pub mod presets;
+pub mod quantize;
+pub mod run;
+pub mod synth;
 pub mod tokenize;

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The project's test command (README, .ci/run): Rust unit/integration tests, then the Python
+# parity and end-to-end tests against the release binary.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${ORCHID_PYTHON:-.venv/bin/python}"
+cargo build --release --workspace --locked
+cargo test --release --workspace --locked
+export ORCHID_BIN="$PWD/target/release/orchid" HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
+"$PY" -m pytest tests/python -q -x --durations=15 "$@"
