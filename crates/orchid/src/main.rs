@@ -51,6 +51,8 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        // 3: the model folder is unusable (config, checkpoint, tokenizer); 1: anything else.
+        let bad_model = e.chain().any(|c| c.downcast_ref::<orchid_model::Error>().is_some());
+        std::process::exit(if bad_model { 3 } else { 1 });
     }
 }
