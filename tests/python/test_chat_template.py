@@ -127,6 +127,18 @@ CASES_QWEN35 = {
     "preserve_thinking_kwarg": dict(messages=turns_with_reasoning(), kwargs={"preserve_thinking": True}),
     "whitespace_and_unicode": dict(messages=[{"role": "system", "content": "  \n padded system \n\n"},
                                              {"role": "user", "content": "\n\t Ωμέγα — “quotes” 🙂 \n"}]),
+    "tool_call_without_arguments": dict(messages=[USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather"}},
+        {"type": "function", "function": {"name": "run_sql", "arguments": ""}}]}, TOOL_RESULT_1, TOOL_RESULT_3]),
+    "reasoning_and_inline_think": dict(messages=[USER, {"role": "assistant", "content": "<think>inline</think>\n\nshown",
+                                                        "reasoning_content": "field wins", "tool_calls": [CALL_WEATHER]},
+                                                 TOOL_RESULT_1]),
+    "long_tool_loop": dict(messages=[SYSTEM, USER,
+                                     {"role": "assistant", "content": "", "reasoning_content": "first", "tool_calls": [CALL_WEATHER]},
+                                     TOOL_RESULT_1,
+                                     {"role": "assistant", "content": "two more", "reasoning_content": "second",
+                                      "tool_calls": [CALL_FLIGHTS, CALL_SQL_STR]},
+                                     TOOL_RESULT_2, TOOL_RESULT_3], tools=TOOLS, kwargs={"enable_thinking": True}),
     "tool_response_like_user": dict(messages=[USER, {"role": "assistant", "content": "ok"},
                                               {"role": "user", "content": "<tool_response>x</tool_response>"}]),
 }
@@ -156,6 +168,39 @@ ERROR_CASES_QWEN35 = {
     "image_content": dict(messages=[{"role": "user", "content": [{"type": "image", "image": "x.png"}]}]),
     "unknown_role": dict(messages=[USER, {"role": "robot", "content": "x"}]),
 }
+
+# A template that exercises the jinja2/Python behaviours chat templates rely on, beyond what the
+# two Qwen templates use (Python reprs, tojson options, string methods, tests, slicing, loop vars).
+SEMANTICS_TEMPLATE = r"""
+{%- set ns = namespace(n=0) %}
+{%- for m in messages %}
+{%- set ns.n = ns.n + 1 %}
+[{{ loop.index }}/{{ loop.length }} {{ m.role|upper }} prev={{ loop.previtem.role if loop.previtem else none }}]
+{{ m.content|trim }}|{{ m.content.strip(' .') }}|{{ m.content.split() }}|{{ m.content.split('a', 1) }}|{{ m.content.rstrip() }}
+{%- if m.meta is defined %}
+{{ m.meta }} {{ m.meta|tojson }} {{ m.meta|tojson(indent=2) }} {{ m.meta|tojson(indent=1, sort_keys=true) }} {{ m.meta|string }}
+{%- for k, v in m.meta.items() %} {{ k }}={{ v }}({{ v is sequence }},{{ v is mapping }},{{ v is string }},{{ v is iterable }}){%- endfor %}
+{{ m.meta.get('x', 'dflt') }} {{ m.meta.get('nope', 'dflt') }} {{ m.meta.keys()|list }} {{ m.meta['list'][::-1] }} {{ m.meta['list'][1:3] }}
+{%- for k, v in m.meta|items %}{{ k }}{% if not loop.last %},{% endif %}{% endfor %}
+{%- endif %}
+{%- endfor %}
+{{ ns.n }} {{ messages|length > 1 }} {{ 7 // 2 }} {{ 7 / 2 }} {{ 2 ** 10 }} {{ 1.5 * 2 }} {{ 'x' * 3 }} {{ (1, 2) }} {{ [] }} {{ {} }}
+{{ messages[0].content.startswith(('Hel', 'x')) }} {{ messages[0].content.endswith('!') }} {{ messages[0].content.replace('l', 'L') }}
+{{ 'a,b,,c'.split(',') }} {{ 'a b c'.rsplit(' ', 1) }} {{ '  x  '.lstrip() }}| {{ none is none }} {{ undefined_thing is defined }} {{ undefined_thing }}|
+{{ tools|tojson if tools else 'no tools' }} {{ add_generation_prompt }} {{ custom }} {{ custom_num }} {{ custom_list|join(', ') }}
+{%- if add_generation_prompt %}
+{{ '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+SEMANTICS_CASE = dict(
+    messages=[{"role": "user", "content": "Hello, a world!  "},
+              {"role": "assistant", "content": " alpha beta\tgamma\n", "meta": {
+                  "x": 1.0, "list": [1, "two", 3.5, True, None, 1e-07, 12345678901234], "nested": {"k": "v<&>'\""},
+                  "flag": False, "s": "str", "empty": [], "uni": "ünï 🚀"}}],
+    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    kwargs={"custom": "hello", "custom_num": 2.5, "custom_list": ["a", "b"]},
+)
 
 # ------------------------------------------------------------------------------------------
 # Helpers
@@ -248,6 +293,16 @@ def test_qwen35_errors_like_transformers(qwen35, name, tmp_path):
     got = orchid_render(model_dir, case, tmp_path)
     assert got.returncode != 0
     assert str(ref_err.value) in got.stderr.decode()
+
+
+def test_jinja_semantics_match_transformers(tmp_path):
+    require_binary()
+    d = tmp_path / "model"
+    d.mkdir()
+    shutil.copy(ASSETS / "qwen3.5" / "tokenizer.json", d / "tokenizer.json")
+    (d / "chat_template.jinja").write_text(SEMANTICS_TEMPLATE, encoding="utf-8")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=SEMANTICS_TEMPLATE)
+    check((d, tok), SEMANTICS_CASE, tmp_path)
 
 
 def test_missing_template_is_a_clear_error(tmp_path):
