@@ -74,6 +74,10 @@ impl Writer {
             .map(|(p, r)| {
                 let mut row = vec![0f32; cols];
                 p.row_f32(*r, &mut row);
+                if self.float == DType::BF16 {
+                    // As `mlx_lm.convert --dtype bfloat16`: cast the weights, then quantize.
+                    row.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+                }
                 let (q, mut s, mut b) = quantize_row(&row, bits, group);
                 if self.float == DType::BF16 {
                     s.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
