@@ -305,6 +305,12 @@ impl<B: Backend> Engine<B> {
 
     /// One forward call over every decoding sequence plus the next prefill chunks.
     fn step(&mut self) {
+        // Clients that went away (even mid-prompt) free their slots now.
+        let gone: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].tx.is_closed()).collect();
+        self.retire(&gone);
+        if self.running.is_empty() {
+            return;
+        }
         let chunk = self.opts.prefill_chunk.max(1);
         let mut ids = Vec::new();
         let mut spans = Vec::new();
