@@ -9,9 +9,10 @@ saves a bf16 HF checkpoint (safetensors shards < 15 MB) with tokenizer files,
 generation_config.json, train_log.csv and train_summary.json.
 
 CPU smoke test (runs end to end in about a minute):
-    python training/train.py --preset cpu-test --minutes 0.5 --out training/out/cpu-test
-Full run (H200): see training/README.md
-    python3 training/train.py --preset full --minutes 7 --out /tmp/run
+    python training/train.py --preset cpu-test --minutes 0.5 --max-steps 20 --batch 8 --seq 256 \
+        --out training/out/cpu-test
+Full run (H200, one `device` call; see training/README.md):
+    python3 training/train.py --preset full --minutes 7 --total-minutes 8.2 --try-compile --out /tmp/run
 """
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ SOURCE_WEIGHTS = {
 PRESETS = {
     # The shipped model. Every matrix input dim is a multiple of 64 (MLX group-64).
     "full": dict(
-        hidden_size=384, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=256,
+        hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=192,
     ),
     # Same shape family, tiny, for the CPU smoke test.
     "cpu-test": dict(
@@ -55,6 +56,14 @@ PRESETS = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
     ),
 }
+
+
+def mrope_section(head_dim: int, partial: float = 0.25) -> list[int]:
+    """Qwen3.5's [11, 11, 10] (sum 32 = rotary_dim/2 for head_dim 256) scaled to this head_dim.
+    Text-only positions are equal on all three axes, so this only keeps the config consistent."""
+    half = int(head_dim * partial) // 2
+    t = round(half * 11 / 32)
+    return [t, t, half - 2 * t]
 
 
 def make_config(preset: str, vocab: int, eot: int):
@@ -73,7 +82,7 @@ def make_config(preset: str, vocab: int, eot: int):
         attn_output_gate=True,
         linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                         "mrope_section": mrope_section(p["head_dim"]), "mrope_interleaved": True},
         partial_rotary_factor=0.25,
         router_aux_loss_coef=0.001,
         output_router_logits=False,
@@ -178,19 +187,71 @@ def evaluate(model, stream: torch.Tensor, spans: dict, seq: int, batch: int, amp
     return res
 
 
+def grouped_bf16_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Routed experts as two grouped GEMMs in the autocast dtype (training only).
+
+    transformers' "grouped_mm" casts the activations to the weights' dtype, i.e. fp32
+    under autocast with fp32 master weights; this variant casts the weights to bf16
+    instead (the cast is differentiable, so the fp32 masters get the gradients).
+    Same math as Qwen3_5MoeExperts.forward: y = sum_k w_k * down_e(silu(gate_e x) * up_e x).
+    """
+    T, H = hidden_states.shape
+    K = top_k_index.shape[1]
+    E = self.gate_up_proj.shape[0]
+    dt = torch.get_autocast_dtype(hidden_states.device.type) \
+        if torch.is_autocast_enabled(hidden_states.device.type) else hidden_states.dtype
+    flat = top_k_index.reshape(-1)
+    sorted_e, order = torch.sort(flat, stable=True)
+    offs = torch.searchsorted(sorted_e, torch.arange(E, device=flat.device), right=True).to(torch.int32)
+    tok = order // K
+    x = hidden_states[tok].to(dt)
+    gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    gu = gmm(x, self.gate_up_proj.to(dt).transpose(-2, -1), offs=offs)
+    g, u = gu.chunk(2, dim=-1)
+    y = gmm(F.silu(g) * u, self.down_proj.to(dt).transpose(-2, -1), offs=offs)
+    y = y.float() * top_k_weights.reshape(-1)[order, None].float()
+    out = torch.zeros(T, H, dtype=torch.float32, device=y.device).index_add_(0, tok, y)
+    return out.to(hidden_states.dtype)
+
+
 def set_impl(model, experts_impl: str | None, attn_impl: str | None):
     if experts_impl:
-        model.set_experts_implementation(experts_impl)
+        import types
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            if experts_impl == "grouped_bf16":
+                ex.forward = types.MethodType(grouped_bf16_experts_forward, ex)
+            elif "forward" in ex.__dict__:
+                del ex.forward                     # back to the class's dispatching forward
+        if experts_impl != "grouped_bf16":
+            model.set_experts_implementation(experts_impl)
     if attn_impl:
         model.set_attn_implementation(attn_impl)
 
 
+def compile_gdn(enable: bool):
+    """torch.compile (or restore) transformers' torch fallback of the chunked gated delta rule."""
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as mm
+    if not hasattr(mm, "_orchid_orig_chunk"):
+        mm._orchid_orig_chunk = mm.torch_chunk_gated_delta_rule
+    if enable and not hasattr(mm, "_orchid_compiled_chunk"):
+        mm._orchid_compiled_chunk = torch.compile(mm._orchid_orig_chunk, dynamic=False)
+    mm.torch_chunk_gated_delta_rule = mm._orchid_compiled_chunk if enable else mm._orchid_orig_chunk
+
+
 def bench_impls(model, batcher, batch, amp_dtype, device_type, candidates, steps=3):
-    """Time forward+backward for each experts implementation; return the fastest that works."""
+    """Time forward+backward for each candidate (experts implementation, or "+gdn_compile"
+    for a compiled gated-delta-rule fallback); return the fastest that works."""
     results = {}
     for impl in candidates:
         try:
-            set_impl(model, impl, None)
+            if impl.endswith("+gdn_compile"):
+                set_impl(model, impl.split("+")[0], None)
+                compile_gdn(True)
+            else:
+                compile_gdn(False)
+                set_impl(model, impl, None)
+            tc = time.time()
             for i in range(steps + 1):
                 if i == 1:
                     if device_type == "cuda":
@@ -201,11 +262,14 @@ def bench_impls(model, batcher, batch, amp_dtype, device_type, candidates, steps
             if device_type == "cuda":
                 torch.cuda.synchronize()
             results[impl] = (time.time() - t0) / steps
-            print(f"  experts_implementation={impl}: {results[impl] * 1000:.0f} ms/step "
-                  f"({batch * batcher.seq / results[impl] / 1e3:.0f}k tok/s)", flush=True)
+            print(f"  {impl}: {results[impl] * 1000:.0f} ms/step "
+                  f"({batch * batcher.seq / results[impl] / 1e3:.0f}k tok/s; first step incl. "
+                  f"warm-up/compile {t0 - tc:.1f}s)", flush=True)
         except Exception as e:  # an implementation the installed transformers/torch lacks
-            print(f"  experts_implementation={impl}: failed: {str(e)[:200]}", flush=True)
+            print(f"  {impl}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         model.zero_grad(set_to_none=True)
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
     if not results:
         raise RuntimeError("no experts implementation works")
     return min(results, key=results.get), {k: round(v * 1000, 1) for k, v in results.items()}
@@ -219,7 +283,7 @@ def main():
     ap.add_argument("--minutes", type=float, default=7.0, help="wall-clock training budget")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: time only)")
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=256, help="sequences per step")
+    ap.add_argument("--batch", type=int, default=192, help="sequences per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=150, help="warm-up steps")
@@ -229,7 +293,19 @@ def main():
     ap.add_argument("--experts-impl", default="auto",
                     help="auto (benchmark), eager, batched_mm, grouped_mm")
     ap.add_argument("--attn-impl", default="sdpa")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    ap.add_argument("--try-compile", action="store_true",
+                    help="also benchmark a torch.compile'd gated-delta-rule fallback, keep it if faster")
+    ap.add_argument("--total-minutes", type=float, default=0.0,
+                    help="cap on the whole run (start-up + benchmark + training + eval + save)")
+    ap.add_argument("--reserve", type=float, default=45.0, help="seconds kept for eval and save")
+    ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"],
+                    help="autocast dtype (auto: bf16 on CUDA, none on CPU)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="held-out loss every N steps (a multiple of --log-every; 0: only at the end)")
+    ap.add_argument("--eval-tokens", type=int, default=0, help="cap on tokens per periodic eval (0: all)")
+    ap.add_argument("--keep-best", action="store_true",
+                    help="save the weights with the lowest periodic held-out loss, not the last ones")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
@@ -242,7 +318,7 @@ def main():
     device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
                           ("cpu" if args.device == "auto" else args.device))
     dt = device.type
-    amp_dtype = torch.bfloat16
+    amp_dtype = torch.bfloat16 if (args.amp == "bf16" or (args.amp == "auto" and dt == "cuda")) else None
     torch.manual_seed(args.seed)
     if dt == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -286,20 +362,56 @@ def main():
     bench = {}
     impl = args.experts_impl
     if impl == "auto":
-        cands = ["grouped_mm", "batched_mm", "eager"] if dt == "cuda" else ["eager", "grouped_mm"]
-        impl, bench = bench_impls(model, batcher, args.batch, amp_dtype, dt, cands,
+        # batched_mm gathers one weight matrix per (token, expert) pair: far too much memory here
+        cands = ["grouped_bf16", "grouped_mm", "eager"]
+        if args.try_compile:
+            cands.append("best+gdn_compile")
+        first = [c for c in cands if not c.startswith("best")]
+        impl, bench = bench_impls(model, batcher, args.batch, amp_dtype, dt, first,
                                   steps=3 if dt == "cuda" else 1)
-    set_impl(model, impl, None)
-    print(f"experts_implementation: {impl}, attn_implementation: {model.config._attn_implementation}",
+        if args.try_compile:
+            try:
+                best2, b2 = bench_impls(model, batcher, args.batch, amp_dtype, dt, [impl + "+gdn_compile"],
+                                        steps=3 if dt == "cuda" else 1)
+                bench.update(b2)
+                if b2[best2] < bench[impl]:
+                    impl = best2
+            except RuntimeError as e:
+                print(f"  gdn compile not used: {e}", flush=True)
+    if impl.endswith("+gdn_compile"):
+        set_impl(model, impl.split("+")[0], None)
+        compile_gdn(True)
+    else:
+        compile_gdn(False)
+        set_impl(model, impl, None)
+    print(f"experts implementation: {impl}, attn_implementation: {model.config._attn_implementation}",
           flush=True)
     fwd_model = torch.compile(model) if args.compile else model
 
     budget = args.minutes * 60.0
+    if args.total_minutes:
+        # fit the whole run (start-up and benchmark already spent, eval + save reserve) in the limit
+        budget = min(budget, args.total_minutes * 60.0 - (time.time() - t_start) - args.reserve)
+        print(f"training budget: {budget:.0f}s", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_f = open(out / "train_log.csv", "w", newline="")
     log = csv.writer(log_f)
-    log.writerow(["step", "tokens", "elapsed_s", "lr", "loss", "aux_loss", "tok_per_s"])
+    log.writerow(["step", "tokens", "elapsed_s", "lr", "loss", "aux_loss", "tok_per_s", "heldout_loss"])
+    gdn_compiled = impl.endswith("+gdn_compile")
+    best = {"loss": float("inf"), "step": 0, "state": None}
+    eval_log = []
+
+    def periodic_eval():
+        compile_gdn(False)                 # eval shapes differ from training: run it uncompiled
+        ev = evaluate(model, evals, meta_ev["spans"], args.seq, args.eval_batch, amp_dtype, dt,
+                      max_tokens=args.eval_tokens or None)
+        compile_gdn(gdn_compiled)
+        eval_log.append({"step": step, "tokens": tokens, "heldout_loss": ev["_all"]})
+        if args.keep_best and ev["_all"] < best["loss"]:
+            best.update(loss=ev["_all"], step=step,
+                        state={k: v.detach().clone() for k, v in model.state_dict().items()})
+        return ev["_all"]
 
     step, tokens = 0, 0
     acc_loss = torch.zeros((), device=device)
@@ -338,12 +450,19 @@ def main():
             l, a = (acc_loss / acc_n).item(), (acc_aux / acc_n).item()
             now = time.time()
             tps = (tokens - tok_last) / max(1e-9, now - t_last)
-            row = [step, tokens, round(now - t0, 1), f"{lr:.3e}", round(l, 4), round(a, 4), round(tps)]
+            hl = ""
+            if args.eval_every and step % args.eval_every == 0:
+                te = time.time()
+                hl = round(periodic_eval(), 4)
+                t0 += time.time() - te           # evaluation time does not count as training time
+                now = time.time()
+            row = [step, tokens, round(now - t0, 1), f"{lr:.3e}", round(l, 4), round(a, 4), round(tps), hl]
             log.writerow(row)
             log_f.flush()
             rows.append(row)
             print(f"step {step:5d}  tok {tokens / 1e6:7.1f}M  t {now - t0:6.1f}s  lr {lr:.2e}  "
-                  f"loss {l:.4f}  aux {a:.3f}  {tps / 1e3:.0f}k tok/s", flush=True)
+                  f"loss {l:.4f}  aux {a:.3f}  {tps / 1e3:.0f}k tok/s"
+                  + (f"  held-out {hl:.4f}" if hl != "" else ""), flush=True)
             acc_loss.zero_()
             acc_aux.zero_()
             acc_n = 0
@@ -355,7 +474,18 @@ def main():
           f"({tokens / max(train_time, 1e-9) / 1e3:.0f}k tok/s)", flush=True)
 
     # final train loss estimate on fresh batches; held-out loss on the eval split
+    # (uncompiled: other batch shapes would only trigger recompiles)
     t_ev = time.time()
+    compile_gdn(False)
+    final_step = step
+    if args.keep_best and best["state"] is not None:
+        cur = periodic_eval()
+        if best["step"] != step and best["loss"] < cur:
+            print(f"keeping the best held-out checkpoint: step {best['step']} ({best['loss']:.4f} < {cur:.4f})",
+                  flush=True)
+            model.load_state_dict(best["state"])
+            step = best["step"]
+        compile_gdn(False)
     model.eval()
     with torch.no_grad():
         tl = []
@@ -371,19 +501,29 @@ def main():
     print("held-out per source:", {k: v for k, v in ev.items() if not k.startswith("_")}, flush=True)
 
     # save: bf16 safetensors shards + tokenizer + generation config + logs
+    # bf16 like the real checkpoint, which also keeps A_log and the GDN gated norm in float32
+    keep32 = {n: p.detach().float().clone() for n, p in model.named_parameters()
+              if n.endswith("linear_attn.A_log") or n.endswith("linear_attn.norm.weight")}
     model.to(torch.bfloat16)
+    for n, p in model.named_parameters():
+        if n in keep32:
+            p.data = keep32[n]
     model.config.output_router_logits = False
     model.config.use_cache = True
     model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot,
                                                bos_token_id=None, do_sample=False)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="15MB")
+    # save_original_format=False keeps the fused expert tensors (experts.gate_up_proj [E, 2I, H],
+    # experts.down_proj [E, H, I]) of the official Qwen3.5 checkpoints instead of per-expert names
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="15MB", save_original_format=False)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(tok_dir / f, out / f)
     log_f.close()
     summary = {
         "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
         "preset": args.preset,
-        "steps": step,
+        "steps": final_step,
+        "saved_step": step,
+        "heldout_curve": eval_log,
         "tokens_seen": tokens,
         "train_seconds": round(train_time, 1),
         "tokens_per_second": round(tokens / max(train_time, 1e-9)),
@@ -400,7 +540,7 @@ def main():
         "compile": args.compile,
         "hyper": {"seq": args.seq, "batch": args.batch, "lr": args.lr, "min_lr_frac": args.min_lr_frac,
                   "warmup": args.warmup, "wd": args.wd, "betas": [0.9, 0.95], "clip": 1.0,
-                  "amp": "bf16", "seed": args.seed},
+                  "amp": str(amp_dtype), "seed": args.seed},
         "source_weights": SOURCE_WEIGHTS,
         "mix": batcher.mix(),
         "train_tokens_unique": int(len(train)),

@@ -271,7 +271,7 @@ class Server:
         """(status, headers dict, body bytes); `body` may be bytes, str or a JSON value."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            if body is not None and not isinstance(body, (bytes, str)):
+            if isinstance(body, (dict, list)):
                 body = json.dumps(body)
             h = {"Content-Type": "application/json"} if body is not None else {}
             h.update(headers or {})

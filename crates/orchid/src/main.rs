@@ -17,8 +17,12 @@ enum Command {
     Run(cmd::run::RunArgs),
     /// An interactive conversation in the terminal.
     Chat(cmd::chat::ChatArgs),
+    /// OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
+    Serve(cmd::serve::ServeArgs),
     /// Teacher-forced perplexity (JSON), logit dumps and comparison with another engine.
     Eval(cmd::eval::EvalArgs),
+    /// Prefill and decode speed on the GPU (docs/performance.md protocol); table or --json.
+    Bench(cmd::bench::BenchArgs),
     /// Write a random-weight checkpoint of any config (HF or MLX layout).
     Synth(cmd::synth::SynthArgs),
     /// Convert an HF checkpoint to MLX affine 4-bit (or 8-bit), readable by mlx-lm.
@@ -43,8 +47,10 @@ fn main() {
     let result = match cli.command {
         Command::Run(a) => cmd::run::run(a),
         Command::Chat(a) => cmd::chat::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
         Command::Eval(a) => cmd::eval::run(a),
         Command::Synth(a) => cmd::synth::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
         Command::Quantize(a) => cmd::quantize::run(a),
         Command::Tokenize(a) => cmd::tokenize::run_tokenize(a),
         Command::RenderChat(a) => cmd::tokenize::run_render_chat(a),

@@ -42,6 +42,23 @@ pub fn default_model_dir() -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.join("config.json").is_file())
 }
 
+/// Loads `dir` onto the first GPU (weights stay 4-bit in device memory).
+pub fn load_cuda(dir: &Path) -> Result<Model<orchid_cuda::CudaBackend>> {
+    let t = std::time::Instant::now();
+    let backend = orchid_cuda::CudaBackend::new(0)?;
+    let m = orchid_model::load_model(dir, backend)?;
+    m.backend.gpu().synchronize()?;
+    tracing::info!(
+        "loaded {} ({} layers, {:.1} MB of weights) on {} in {:.2}s",
+        dir.display(),
+        m.config.num_layers(),
+        m.weight_bytes as f64 / 1e6,
+        orchid_model::Backend::describe(&m.backend),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(m)
+}
+
 pub fn load_cpu(dir: &Path) -> Result<Model<CpuBackend>> {
     let t = std::time::Instant::now();
     let m = orchid_model::load_model(dir, CpuBackend::new())?;
@@ -56,11 +73,16 @@ pub fn load_cpu(dir: &Path) -> Result<Model<CpuBackend>> {
     Ok(m)
 }
 
-/// Resolves `auto` and rejects what this build cannot run.
+/// Resolves `auto` (CUDA when a usable GPU, driver and NVRTC are present, else the CPU) and
+/// turns a missing GPU into a clear error for `cuda`.
 pub fn resolve_device(d: Device) -> Result<Device> {
     match d {
-        Device::Auto | Device::Cpu => Ok(Device::Cpu),
-        Device::Cuda => bail!("this build has no CUDA backend yet"),
+        Device::Cpu => Ok(Device::Cpu),
+        Device::Cuda => match orchid_cuda::probe() {
+            Ok(()) => Ok(Device::Cuda),
+            Err(why) => bail!("--device cuda: {why}"),
+        },
+        Device::Auto => Ok(if orchid_cuda::available() { Device::Cuda } else { Device::Cpu }),
     }
 }
 
@@ -75,7 +97,7 @@ pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::Eng
     let dir2 = dir.to_path_buf();
     let engine = match resolve_device(device)? {
         Device::Cpu | Device::Auto => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cpu(&dir2)),
-        Device::Cuda => unreachable!("resolve_device rejects cuda in this build"),
+        Device::Cuda => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cuda(&dir2)),
     };
     Ok(Loaded { tokenizer, engine })
 }

@@ -1,9 +1,11 @@
 //! One module per subcommand.
+pub mod bench;
 pub mod chat;
 pub mod common;
 pub mod eval;
 pub mod presets;
 pub mod quantize;
 pub mod run;
+pub mod serve;
 pub mod synth;
 pub mod tokenize;

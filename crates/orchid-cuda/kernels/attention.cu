@@ -1,0 +1,376 @@
+// Gated GQA attention (model-spec §3.5) over a paged KV cache.
+//
+// Shapes: T query tokens of one sequence at positions start..start+T-1; Hq query heads and Hkv
+// KV heads of D dims, G = Hq/Hkv; R rotary dims (pairs i, i+R/2). KV pool: bf16
+// [nblk][Hkv][BS][D] for K and for V; `table` maps position/BS to a pool block.
+// Query rows are (token, head-in-group) pairs, row = tq*G + hg, so the G heads that share a KV
+// head are processed together and every K/V tile is loaded once for all of them.
+
+struct PrepArgs {
+    u64 qg, k, v, q_norm, k_norm, inv_freq, q_out, kpool, vpool, table, pos_ptr;
+    int T, start, Hq, Hkv;
+    int D, R, BS, ldq;      // ldq: row stride of qg (Hq*D*(1+gate))
+    int qstride, ldk, pad0, pad1;  // qstride: per-head stride inside a qg row (D or 2D)
+    float eps, pad2;
+};
+
+// q/k RMSNorm (multiplier weights), partial RoPE at the token's position, q -> bf16 [T][Hq][D],
+// K/V -> the cache. One warp per (token, head); heads Hq.. Hq+Hkv-1 are the KV heads.
+extern "C" __global__ void __launch_bounds__(128) attn_prep(const PrepArgs a) {
+    __shared__ float buf[4][256];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x, h = blockIdx.y * 4 + warp;
+    if (h >= a.Hq + a.Hkv) return;
+    const int D = a.D, half = a.R / 2;
+    const int pos = (a.pos_ptr ? *(const int*)a.pos_ptr : a.start) + t;
+    const bool is_q = h < a.Hq;
+    const int kh = h - a.Hq;
+    const float* src = is_q ? (const float*)a.qg + (i64)t * a.ldq + h * a.qstride : (const float*)a.k + (i64)t * a.ldk + kh * D;
+    const float* nw = (const float*)(is_q ? a.q_norm : a.k_norm);
+    float ss = 0.f;
+    for (int e = lane; e < D; e += 32) ss += src[e] * src[e];
+    ss = warp_sum(ss);
+    const float inv = 1.f / sqrtf(ss / D + a.eps);
+    float* y = buf[warp];
+    for (int e = lane; e < D; e += 32) y[e] = src[e] * inv * nw[e];
+    __syncwarp();
+    __nv_bfloat16* dst;
+    if (is_q) {
+        dst = (__nv_bfloat16*)a.q_out + ((i64)t * a.Hq + h) * D;
+    } else {
+        int blk = ((const int*)a.table)[pos / a.BS];
+        i64 off = (((i64)blk * a.Hkv + kh) * a.BS + pos % a.BS) * D;
+        dst = (__nv_bfloat16*)a.kpool + off;
+        const float* vs = (const float*)a.v + (i64)t * a.ldk + kh * D;
+        __nv_bfloat16* vd = (__nv_bfloat16*)a.vpool + off;
+        for (int e = lane; e < D; e += 32) vd[e] = __float2bfloat16_rn(vs[e]);
+    }
+    for (int e = lane; e < D; e += 32) {
+        float o = y[e];
+        if (e < a.R) {
+            int i = e < half ? e : e - half;
+            float ang = (float)pos * ((const float*)a.inv_freq)[i];
+            float c = cosf(ang), s = sinf(ang);
+            o = e < half ? y[e] * c - y[e + half] * s : y[e] * c + y[i] * s;
+        }
+        dst[e] = __float2bfloat16_rn(o);
+    }
+}
+
+struct AttnArgs {
+    u64 q, kpool, vpool, table, gate, out, part_o, part_ml, pos_ptr;
+    int T, start, Hq, Hkv;
+    int G, BS, ldg, nsplit;
+    float scale_log2;
+    int pad0, pad1, pad2;
+};
+
+// One warp's online-softmax update over a KV tile of TK keys in shared memory (row stride D+8).
+// Qs: the warp's 16 query rows (row stride D+8). key0: position of the tile's first key.
+template <int D, int TK>
+DEVI void attn_tile(const __nv_bfloat16* Qs, const __nv_bfloat16* Ks, const __nv_bfloat16* Vs, float (&o)[D / 8][4], float* m,
+                    float* l, int key0, int nkeys, int pos0, int pos1, float scale_log2) {
+    constexpr int ST = D + 8;
+    const int lane = threadIdx.x & 31, t4 = lane & 3;
+    float s[TK / 8][4];
+#pragma unroll
+    for (int i = 0; i < TK / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a0, a1, a2, a3;
+        ldsm_x4(a0, a1, a2, a3, Qs + (lane & 15) * ST + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int np = 0; np < TK / 16; ++np) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3, Ks + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * ST + kk * 16 + ((lane >> 3) & 1) * 8);
+            mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
+            mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+        }
+    }
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < TK / 8; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            int key = key0 + nt * 8 + 2 * t4 + (c & 1);
+            int pr = (c >> 1) ? pos1 : pos0;
+            float v = s[nt][c] * scale_log2;
+            if (key >= nkeys || key > pr) v = NEG_INF;
+            s[nt][c] = v;
+            mx[c >> 1] = fmaxf(mx[c >> 1], v);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    float base[2], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mn = fmaxf(m[r], mx[r]);
+        base[r] = mn == NEG_INF ? 0.f : mn;
+        corr[r] = exp2f(m[r] - base[r]);
+        m[r] = mn;
+        l[r] *= corr[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < TK / 8; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float p = exp2f(s[nt][c] - base[c >> 1]);
+            s[nt][c] = p;
+            l[c >> 1] += p;
+        }
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][0] *= corr[0]; o[dt][1] *= corr[0];
+        o[dt][2] *= corr[1]; o[dt][3] *= corr[1];
+    }
+#pragma unroll
+    for (int ks = 0; ks < TK / 16; ++ks) {
+        u32 a0 = pack_bf16(s[2 * ks][0], s[2 * ks][1]), a1 = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
+        u32 a2 = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]), a3 = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(b0, b1, b2, b3, Vs + (ks * 16 + (lane & 15)) * ST + dp * 16 + (lane >> 4) * 8);
+            mma_bf16(o[2 * dp], a0, a1, a2, a3, b0, b1);
+            mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+        }
+    }
+}
+
+// Copies keys [key0, key0+TK) of one KV head into shared memory (zeros beyond nkeys).
+// nthr threads starting at thread `tid` take part.
+template <int D, int TK>
+DEVI void load_kv_tile(__nv_bfloat16* Ks, __nv_bfloat16* Vs, const AttnArgs& a, int kvh, int key0, int nkeys, int tid, int nthr) {
+    constexpr int ST = D + 8, CH = D / 8;
+    const int blk = ((const int*)a.table)[key0 / a.BS];
+    const i64 base = (((i64)blk * a.Hkv + kvh) * a.BS + key0 % a.BS) * D;
+    const __nv_bfloat16* kg = (const __nv_bfloat16*)a.kpool + base;
+    const __nv_bfloat16* vg = (const __nv_bfloat16*)a.vpool + base;
+    for (int c = tid; c < TK * CH; c += nthr) {
+        int r = c / CH, ch = c % CH;
+        bool ok = key0 + r < nkeys;
+        cp_async16(Ks + r * ST + ch * 8, kg + (ok ? r * D + ch * 8 : 0), ok);
+        cp_async16(Vs + r * ST + ch * 8, vg + (ok ? r * D + ch * 8 : 0), ok);
+    }
+}
+
+// Prefill: a block handles 64 query rows (4 warps x 16) of one KV head against all earlier keys,
+// with K/V tiles shared by the 4 warps and double-buffered. grid = (ceil(T*G/64), Hkv).
+template <int D, int TK>
+DEVI void attn_prefill_body(const AttnArgs& a) {
+    constexpr int ST = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __nv_bfloat16* Qs = (__nv_bfloat16*)smem;
+    __nv_bfloat16* KV = Qs + 64 * ST;  // [2 stages][K, V][TK][ST]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int kvh = blockIdx.y, G = a.G, D_ = D;
+    const int row_base = blockIdx.x * 64;
+    const int nrows = a.T * G;
+    // Q rows -> shared memory.
+    for (int c = threadIdx.x; c < 64 * (D / 8); c += 128) {
+        int r = c / (D / 8), ch = c % (D / 8);
+        int R = row_base + r;
+        bool ok = R < nrows;
+        int tq = ok ? R / G : 0, hg = ok ? R % G : 0;
+        const __nv_bfloat16* src = (const __nv_bfloat16*)a.q + ((i64)tq * a.Hq + kvh * G + hg) * D_ + ch * 8;
+        cp_async16(Qs + r * ST + ch * 8, src, ok);
+    }
+    const int last_row = min(nrows, row_base + 64) - 1;
+    const int nkeys = a.start + last_row / G + 1;
+    const int ntiles = (nkeys + TK - 1) / TK;
+    load_kv_tile<D, TK>(KV, KV + TK * ST, a, kvh, 0, nkeys, threadIdx.x, 128);
+    cp_async_commit();
+
+    const int R0 = row_base + warp * 16 + g, R1 = R0 + 8;
+    const int pos0 = R0 < nrows ? a.start + R0 / G : -1;
+    const int pos1 = R1 < nrows ? a.start + R1 / G : -1;
+    const int warp_last = min(nrows, row_base + warp * 16 + 16) - 1;
+    const int warp_maxpos = warp_last >= row_base + warp * 16 ? a.start + warp_last / G : -1;
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    for (int ti = 0; ti < ntiles; ++ti) {
+        const int st = ti & 1;
+        if (ti + 1 < ntiles) {
+            __nv_bfloat16* nb = KV + (st ^ 1) * 2 * TK * ST;
+            load_kv_tile<D, TK>(nb, nb + TK * ST, a, kvh, (ti + 1) * TK, nkeys, threadIdx.x, 128);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const __nv_bfloat16* Ks = KV + st * 2 * TK * ST;
+        if (ti * TK <= warp_maxpos)
+            attn_tile<D, TK>(Qs + warp * 16 * ST, Ks, Ks + TK * ST, o, m, l, ti * TK, nkeys, pos0, pos1, a.scale_log2);
+        __syncthreads();
+    }
+    // Normalise, gate and store.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int R = r ? R1 : R0;
+        if (R >= nrows) continue;
+        int tq = R / G, head = kvh * G + R % G;
+        float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        float* orow = (float*)a.out + (i64)tq * a.Hq * D + head * D;
+        const float* grow = a.gate ? (const float*)a.gate + (i64)tq * a.ldg + head * 2 * D + D : nullptr;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            int d = dt * 8 + 2 * t4;
+            float v0 = o[dt][2 * r] * inv, v1 = o[dt][2 * r + 1] * inv;
+            if (grow) { v0 *= sigmoidf_(grow[d]); v1 *= sigmoidf_(grow[d + 1]); }
+            *(float2*)(orow + d) = make_float2(v0, v1);
+        }
+    }
+}
+
+// Decode (one query token): grid = (Hkv, nsplit, ceil(G/16)). The block's split of the keys is
+// shared by its 4 warps tile by tile (each warp its own tiles and buffers); the warps' partial
+// softmax states are merged in shared memory and written as one partial per block.
+template <int D, int TK>
+DEVI void attn_decode_body(const AttnArgs& a) {
+    constexpr int ST = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __nv_bfloat16* Qs = (__nv_bfloat16*)smem;                 // [16][ST]
+    __nv_bfloat16* KVw = Qs + 16 * ST;                         // per warp [K, V][TK][ST]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z, G = a.G;
+    const int pos = a.pos_ptr ? *(const int*)a.pos_ptr : a.start;
+    const int nkeys = pos + 1;
+    for (int c = threadIdx.x; c < 16 * (D / 8); c += 128) {
+        int r = c / (D / 8), ch = c % (D / 8);
+        int hg = z * 16 + r;
+        bool ok = hg < G;
+        const __nv_bfloat16* src = (const __nv_bfloat16*)a.q + ((i64)(ok ? kvh * G + hg : 0)) * D + ch * 8;
+        cp_async16(Qs + r * ST + ch * 8, src, ok);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int ntiles = (nkeys + TK - 1) / TK;
+    const int per = (ntiles + a.nsplit - 1) / a.nsplit;
+    const int t_begin = split * per, t_end = min(ntiles, t_begin + per);
+    const int nz_ = gridDim.z;
+    const i64 pidx_ = ((i64)kvh * nz_ + z) * a.nsplit + split;
+    if (t_begin >= t_end) {  // empty split: only the softmax state, which the combine skips
+        if (threadIdx.x < 16) {
+            ((float*)a.part_ml)[(pidx_ * 16 + threadIdx.x) * 2] = NEG_INF;
+            ((float*)a.part_ml)[(pidx_ * 16 + threadIdx.x) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    __nv_bfloat16* Kw = KVw + warp * 2 * TK * ST;
+    for (int ti = t_begin + warp; ti < t_end; ti += 4) {
+        load_kv_tile<D, TK>(Kw, Kw + TK * ST, a, kvh, ti * TK, nkeys, lane, 32);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncwarp();
+        attn_tile<D, TK>(Qs, Kw, Kw + TK * ST, o, m, l, ti * TK, nkeys, pos, pos, a.scale_log2);
+        __syncwarp();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    // Merge the 4 warps: per row the max m, then rescaled sums.
+    __syncthreads();
+    float* Ms = (float*)(Qs + 16 * ST);           // [4][16] m, [4][16] l, then O [16][D]
+    float* Ls = Ms + 64;
+    float* Os = Ls + 64;
+    if (t4 == 0) {
+        Ms[warp * 16 + g] = m[0]; Ms[warp * 16 + g + 8] = m[1];
+        Ls[warp * 16 + g] = l[0]; Ls[warp * 16 + g + 8] = l[1];
+    }
+    for (int i = threadIdx.x; i < 16 * D; i += 128) Os[i] = 0.f;
+    __syncthreads();
+    float sc[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int row = g + 8 * r;
+        float M = fmaxf(fmaxf(Ms[row], Ms[16 + row]), fmaxf(Ms[32 + row], Ms[48 + row]));
+        sc[r] = m[r] == NEG_INF ? 0.f : exp2f(m[r] - M);
+    }
+    for (int w = 0; w < 4; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                int d = dt * 8 + 2 * t4;
+                Os[g * D + d] += o[dt][0] * sc[0];
+                Os[g * D + d + 1] += o[dt][1] * sc[0];
+                Os[(g + 8) * D + d] += o[dt][2] * sc[1];
+                Os[(g + 8) * D + d + 1] += o[dt][3] * sc[1];
+            }
+        }
+        __syncthreads();
+    }
+    const int nz = gridDim.z;
+    const i64 pidx = ((i64)kvh * nz + z) * a.nsplit + split;  // partial index
+    float* po = (float*)a.part_o + pidx * 16 * D;
+    const int rows_here = min(16, G - z * 16);
+    for (int i = threadIdx.x; i < rows_here * D; i += 128) po[i] = Os[i];
+    if (threadIdx.x < 16) {
+        int row = threadIdx.x;
+        float M = fmaxf(fmaxf(Ms[row], Ms[16 + row]), fmaxf(Ms[32 + row], Ms[48 + row]));
+        float L = 0.f;
+        for (int w = 0; w < 4; ++w) L += Ms[w * 16 + row] == NEG_INF ? 0.f : Ls[w * 16 + row] * exp2f(Ms[w * 16 + row] - M);
+        ((float*)a.part_ml)[(pidx * 16 + row) * 2] = M;
+        ((float*)a.part_ml)[(pidx * 16 + row) * 2 + 1] = L;
+    }
+}
+
+// Merges the decode partials of all splits, normalises, applies the output gate.
+// grid = Hq, block = 128. out [Hq*D] f32 (one token); gate: q_gate row (head h at h*2D + D).
+extern "C" __global__ void __launch_bounds__(128) attn_combine(const AttnArgs a, int D) {
+    const int h = blockIdx.x, G = a.G, kvh = h / G, hg = h % G, z = hg / 16, row = hg % 16;
+    const int nz = (G + 15) / 16;
+    const float* ml = (const float*)a.part_ml;
+    float M = NEG_INF;
+    for (int s = 0; s < a.nsplit; ++s) {
+        i64 pidx = ((i64)kvh * nz + z) * a.nsplit + s;
+        M = fmaxf(M, ml[(pidx * 16 + row) * 2]);
+    }
+    float L = 0.f;
+    for (int s = 0; s < a.nsplit; ++s) {
+        i64 pidx = ((i64)kvh * nz + z) * a.nsplit + s;
+        float mm = ml[(pidx * 16 + row) * 2];
+        L += mm == NEG_INF ? 0.f : ml[(pidx * 16 + row) * 2 + 1] * exp2f(mm - M);
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < a.nsplit; ++s) {
+            i64 pidx = ((i64)kvh * nz + z) * a.nsplit + s;
+            float mm = ml[(pidx * 16 + row) * 2];
+            if (mm != NEG_INF) acc += ((const float*)a.part_o)[(pidx * 16 + row) * D + d] * exp2f(mm - M);
+        }
+        float v = acc * inv;
+        if (a.gate) v *= sigmoidf_(((const float*)a.gate)[h * 2 * D + D + d]);
+        ((float*)a.out)[h * D + d] = v;
+    }
+}
+
+#define ATTN_KERNELS(D, TKP, TKD)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_d##D(const AttnArgs a) {              \
+        attn_prefill_body<D, TKP>(a);                                                                    \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_d##D(const AttnArgs a) { attn_decode_body<D, TKD>(a); }
+
+ATTN_KERNELS(32, 64, 32)
+ATTN_KERNELS(64, 64, 32)
+ATTN_KERNELS(128, 64, 16)
+ATTN_KERNELS(256, 32, 16)

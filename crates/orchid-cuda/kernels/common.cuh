@@ -1,0 +1,128 @@
+// orchid CUDA kernels: shared helpers. Prepended to every kernels/*.cu file before NVRTC.
+//
+// Conventions (all kernels):
+//   activations are row-major f32 [rows, cols]; tensor-core operands are bf16 with f32 accumulation.
+//   Weights ("W [rows, K]") come in two GPU formats, both padded to rows % 128 == 0, K % 128 == 0:
+//     Q4   : MLX affine 4-bit, group 64, repacked for mma fragments (see q4_layout below);
+//            scale/bias per (row, group) as one u32 = bf16 scale | bf16 bias << 16.
+//     BF16 : dense bf16 row-major.
+//   mma.m16n8k16 fragment names: g = lane / 4, t = lane % 4.
+//     A (16x16 row):  r0 = (row g,   k 2t..2t+1)   r1 = (row g+8, k 2t..)   r2 = (row g, k 2t+8..)   r3 = (row g+8, k 2t+8..)
+//     B (16x8 col):   r0 = (k 2t..2t+1, n g)       r1 = (k 2t+8.., n g)
+//     C (16x8 f32):   c0,c1 = (row g, n 2t..2t+1)  c2,c3 = (row g+8, n 2t..2t+1)
+//   Weights are always the A operand (rows = output features), tokens the B operand (n = token).
+//
+// q4_layout: a row is cut into units of 128 k (two groups, 16 words = 64 bytes). Within a unit,
+// lane-quad member t owns 16 bytes: words [G0W0, G0W1, G1W0, G1W1], where GjW0/GjW1 hold the 16
+// k-values of group j that an A fragment of lane t needs over the group's 4 mma k-steps
+// (k_local = 16s + 2t + {0,1} and 16s + 8 + 2t + {0,1}, s = 0..3). Word w of a group holds steps
+// 2w, 2w+1; pair slot p = 2*(s-2w) + (hi8 ? 1 : 0) keeps its first element in nibble p and its second
+// in nibble p+4, so ((word >> 4p) & 0x000F000F) | 0x43004300 is the bf16x2 (128+q0, 128+q1).
+// The +128 is folded out with the group's x-sum: s*(acc - 128*sum x) + b*sum x.
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+#define NEG_INF __int_as_float(0xff800000)
+
+#define DEVI __device__ __forceinline__
+
+DEVI float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+DEVI float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum; `red` must hold 32 floats; all threads get the result.
+DEVI float block_sum(float v, float* red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : 0.f;
+    return warp_sum(r);
+}
+DEVI float block_max(float v, float* red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : NEG_INF;
+    return warp_max(r);
+}
+
+DEVI float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+DEVI float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+DEVI float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+DEVI u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+DEVI float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+DEVI float siluf_(float x) { return x / (1.f + __expf(-x)); }
+DEVI float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// bf16x2 (128 + q) for pair slot p of a repacked Q4 word.
+DEVI u32 q4_pair(u32 w, int p) { return ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
+
+DEVI void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+DEVI u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+DEVI void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
+}
+DEVI void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
+}
+
+// 16-byte async copy global -> shared; zero-fills when !pred.
+DEVI void cp_async16(void* smem, const void* gmem, bool pred) {
+    int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
+}
+DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+DEVI void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+DEVI uint4 ldg_nc(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+DEVI uint2 ldg_nc2(const uint2* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+// Order-preserving key of a float (larger float -> larger key).
+DEVI u32 float_key(float f) {
+    u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Counter-based random numbers (SplitMix64 finaliser): uniform in [0, 1).
+DEVI float uniform01(u64 seed, u64 counter) {
+    u64 z = seed + 0x9E3779B97F4A7C15ull * (counter + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}

@@ -1,0 +1,134 @@
+// MoE routing on the GPU for prefill (model-spec §3.8): per-token softmax top-k, per-expert
+// counts, offsets and the tile table of the grouped GEMMs, token lists, and the weighted combine.
+//
+// Shapes: T tokens, E experts (≤ 512), k experts per token. An assignment (t, slot) gets a list
+// position p in [0, T·k), grouped by expert: assign_tok[p] = t, slot_pos[t·k + slot] = p.
+
+// One warp: softmax over E logits, the top k (ties to the lower id), optional renormalisation.
+DEVI void warp_topk(const float* logits, int E, int topk, int renorm, int* ids, float* wts) {
+    const int lane = threadIdx.x & 31;
+    float pv[16];
+    float m = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        int e = lane + 32 * i;
+        pv[i] = e < E ? logits[e] : NEG_INF;
+        m = fmaxf(m, pv[i]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        int e = lane + 32 * i;
+        pv[i] = e < E ? expf(pv[i] - m) : -1.f;
+        sum += e < E ? pv[i] : 0.f;
+    }
+    sum = warp_sum(sum);
+    float picked = 0.f, mine = 0.f;
+    int mine_id = 0;
+    for (int k = 0; k < topk; ++k) {
+        float bv = -1.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (pv[i] > bv) { bv = pv[i]; bi = lane + 32 * i; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (lane + 32 * i == bi) pv[i] = -1.f;
+        float p = bv / sum;
+        picked += p;
+        if (lane == k) { mine = p; mine_id = bi; }
+    }
+    if (lane < topk) {
+        ids[lane] = mine_id;
+        wts[lane] = renorm ? mine / picked : mine;
+    }
+}
+
+struct TopkArgs {
+    u64 logits, ids, wts, counts;
+    int T, E, topk, renorm;
+    int ldl, pad0, pad1, pad2;
+};
+
+// grid = ceil(T/4), block 128: one warp per token.
+extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
+    const int t = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (t >= a.T) return;
+    int* ids = (int*)a.ids + (i64)t * a.topk;
+    float* w = (float*)a.wts + (i64)t * a.topk;
+    warp_topk((const float*)a.logits + (i64)t * a.ldl, a.E, a.topk, a.renorm, ids, w);
+    __syncwarp();
+    if (lane < a.topk) atomicAdd((int*)a.counts + ids[lane], 1);
+}
+
+struct ScanArgs {
+    u64 counts, offsets, cursor, tiles, num_tiles;
+    int E, bn, pad0, pad1;
+};
+
+// One block of 1024 threads: offsets = exclusive scan of counts, cursor = offsets, and the
+// grouped-GEMM tile table {expert, first position, count, 0}.
+extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
+    __shared__ int sc[1024], st[1024];
+    const int e = threadIdx.x;
+    int c = e < a.E ? ((const int*)a.counts)[e] : 0;
+    int nt = (c + a.bn - 1) / a.bn;
+    sc[e] = c;
+    st[e] = nt;
+    __syncthreads();
+    for (int o = 1; o < 1024; o <<= 1) {
+        int vc = e >= o ? sc[e - o] : 0, vt = e >= o ? st[e - o] : 0;
+        __syncthreads();
+        sc[e] += vc;
+        st[e] += vt;
+        __syncthreads();
+    }
+    int off = sc[e] - c, toff = st[e] - nt;
+    if (e < a.E) {
+        ((int*)a.offsets)[e] = off;
+        ((int*)a.cursor)[e] = off;
+        for (int i = 0; i < nt; ++i)
+            ((int4*)a.tiles)[toff + i] = make_int4(e, off + i * a.bn, min(a.bn, c - i * a.bn), 0);
+    }
+    if (e == 1023) *(int*)a.num_tiles = st[1023];
+}
+
+struct ScatterArgs {
+    u64 ids, cursor, assign_tok, slot_pos;
+    int T, topk, pad0, pad1;
+};
+
+extern "C" __global__ void moe_scatter(const ScatterArgs a) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.T * a.topk) return;
+    int e = ((const int*)a.ids)[i];
+    int p = atomicAdd((int*)a.cursor + e, 1);
+    ((int*)a.assign_tok)[p] = i / a.topk;
+    ((int*)a.slot_pos)[i] = p;
+}
+
+struct CombineArgs {
+    u64 y, wts, slot_pos, shared, shared_gate, out;
+    int T, H, topk, ld_sg;
+};
+
+// out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :].
+extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs a) {
+    const int t = blockIdx.x;
+    const float* w = (const float*)a.wts + (i64)t * a.topk;
+    const int* sp = (const int*)a.slot_pos + (i64)t * a.topk;
+    float gs = a.shared ? 1.f / (1.f + expf(-((const float*)a.shared_gate)[(i64)t * a.ld_sg])) : 0.f;
+    for (int h = threadIdx.x; h < a.H; h += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < a.topk; ++s) acc += w[s] * ((const float*)a.y)[(i64)sp[s] * a.H + h];
+        if (a.shared) acc += gs * ((const float*)a.shared)[(i64)t * a.H + h];
+        ((float*)a.out)[(i64)t * a.H + h] = acc;
+    }
+}

@@ -1,0 +1,446 @@
+//! The decode fast path: one token of one sequence per step, every kernel of the step captured
+//! once into a CUDA graph and replayed. Buffers are fixed; the position, the input token and the
+//! step counter live on the device: the sampler writes the token into the next step's input and
+//! advances the position, so a step needs no host data. The host only makes sure KV blocks exist
+//! for the next position (an H2D update of the block table between steps) and reads the token.
+//!
+//! Per layer (see docs/cuda.md): GDN = qkv|z|b|a matvec (input norm fused on load) → fused GDN
+//! decode → out_proj matvec (+ residual); attention = q|k|v matvec → prep (q/k norm, RoPE, cache
+//! append) → split-K GQA decode → combine (+ gate) → o_proj (+ residual); MoE = router matvec
+//! with top-k in its last block → all routed experts + shared expert gate/up (one kernel) →
+//! down + weighted combine (+ residual). Then lm_head (final norm fused) and the sampler.
+
+use std::sync::Arc;
+
+use orchid_model::error::{Error, Result};
+use orchid_model::model::{Ffn, Mixer};
+use orchid_model::Model;
+
+use crate::driver::{DevBuf, Graph};
+use crate::ops::{self, attention as at, deltanet as dn, sampling as sp, Ctx, MoeDecode, RouteEpi};
+use crate::state::{CudaState, KV_BLOCK};
+use crate::weights::GpuLinear;
+use crate::CudaBackend;
+
+/// Splits of the decode attention inside the graph (fixed: the grid cannot change per step).
+pub const GRAPH_SPLITS: usize = 64;
+
+pub struct DecodeGraph {
+    ctx: Arc<Ctx>,
+    pub slot: usize,
+    graph: Option<Graph>,
+    x: DevBuf,
+    proj: DevBuf,
+    y: DevBuf,
+    qbf: DevBuf,
+    part_o: DevBuf,
+    part_ml: DevBuf,
+    router_logits: DevBuf,
+    router_partial: DevBuf,
+    route_ids: DevBuf,
+    route_w: DevBuf,
+    ones: DevBuf,
+    counter: DevBuf,
+    hbuf: DevBuf,
+    logits: DevBuf,
+    token: DevBuf,
+    pos: DevBuf,
+    step: DevBuf,
+    tokens_log: DevBuf,
+    params: DevBuf,
+    partial: DevBuf,
+    sample_counter: DevBuf,
+    greedy: bool,
+    vocab: usize,
+    max_steps: usize,
+    /// Host mirror of the device position (the next token's position).
+    pub pos_host: usize,
+    steps: usize,
+    pub kernels_per_step: usize,
+    /// Per-launch timing events when built with `profile` (see `profile_summary`).
+    prof: Vec<(&'static str, crate::driver::Event)>,
+}
+
+fn gemv_groups(c: &Ctx, segs: &[(&GpuLinear, usize)], x: u64, norm: Option<(u64, f32)>, out: u64, ldo: usize, acc: bool) -> Result<usize> {
+    // One launch per run of segments that share format and K.
+    let mut n = 0;
+    let mut i = 0;
+    while i < segs.len() {
+        let mut j = i + 1;
+        while j < segs.len() && j - i < 4 && segs[j].0.fmt == segs[i].0.fmt && segs[j].0.kpad == segs[i].0.kpad {
+            j += 1;
+        }
+        ops::gemv(c, &segs[i..j], x, 0, 1, norm, out, ldo, acc, None)?;
+        n += 1;
+        i = j;
+    }
+    Ok(n)
+}
+
+impl DecodeGraph {
+    /// Builds the buffers for `slot` and captures one decode step. `max_steps` bounds the
+    /// token log (steps beyond it wrap around).
+    pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize) -> Result<DecodeGraph> {
+        Self::build(model, state, slot, params, max_steps, false)
+    }
+
+    /// Like `new`, with a timing event after every kernel of the step (slightly slower).
+    pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize) -> Result<DecodeGraph> {
+        Self::build(model, state, slot, params, max_steps, true)
+    }
+
+    /// Time per kernel name over the last replayed step: (name, launches, ms), largest first.
+    pub fn profile_summary(&self) -> Result<Vec<(&'static str, usize, f64)>> {
+        crate::driver::profile_summary(&self.prof)
+    }
+
+    fn build(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize, profile: bool) -> Result<DecodeGraph> {
+        let b = &model.backend;
+        let ctx = b.ctx.clone();
+        let gpu = ctx.gpu.clone();
+        gpu.bind()?;
+        state.slot(slot)?;
+        let cfg = &model.config;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let a = &cfg.attention;
+        let d = &cfg.deltanet;
+        let m = &cfg.moe;
+        let q_w = a.q_proj_rows() + 2 * a.kv_rows();
+        let g_w = d.conv_dim() + d.value_dim() + 2 * d.num_v_heads;
+        let proj_w = q_w.max(g_w).max(1);
+        let y_w = (a.num_heads * a.head_dim).max(d.value_dim()).max(h);
+        let nz = (a.num_heads / a.num_kv_heads).div_ceil(16);
+        let hstride = m.intermediate.max(m.shared_intermediate).max(cfg.dense_intermediate).max(1);
+        let nsrc = m.top_k + 1;
+        let f32b = |n: usize| DevBuf::zeros(&gpu, n * 4);
+        let greedy = params.temperature <= 0.0 || params.top_k == 1;
+        let mut g = DecodeGraph {
+            ctx: ctx.clone(),
+            slot,
+            graph: None,
+            x: f32b(h)?,
+            proj: f32b(proj_w)?,
+            y: f32b(y_w)?,
+            qbf: DevBuf::zeros(&gpu, a.num_heads * a.head_dim * 2)?,
+            part_o: f32b(a.num_kv_heads * nz * GRAPH_SPLITS * 16 * a.head_dim)?,
+            part_ml: f32b(a.num_kv_heads * nz * GRAPH_SPLITS * 16 * 2)?,
+            router_logits: f32b(m.num_experts + 1)?,
+            router_partial: f32b(ops::ROUTER_KPARTS * (m.num_experts + 1))?,
+            route_ids: f32b(m.top_k.max(1))?,
+            route_w: f32b(m.top_k + 1)?,
+            ones: DevBuf::from_slice(&gpu, &[1.0f32, 1.0])?,
+            counter: f32b(1)?,
+            hbuf: f32b(nsrc * hstride)?,
+            logits: f32b(v)?,
+            token: f32b(1)?,
+            pos: f32b(1)?,
+            step: f32b(1)?,
+            tokens_log: f32b(max_steps.max(1) + 1)?,
+            params: DevBuf::from_slice(&gpu, &[params])?,
+            partial: f32b(2 * sp::ARGMAX_BLOCKS)?,
+            sample_counter: f32b(1)?,
+            greedy,
+            vocab: v,
+            max_steps: max_steps.max(1),
+            pos_host: 0,
+            steps: 0,
+            kernels_per_step: 0,
+            prof: Vec::new(),
+        };
+        // Everything the capture needs must exist before it starts (no allocations inside).
+        if cfg.num_attention_layers() > 0 {
+            b.inv_freq(a.rope_theta, a.rotary_dim)?;
+        }
+        gpu.synchronize()?;
+        let mut launches = 0;
+        let mut prof = Vec::new();
+        let graph = Graph::capture(&gpu, || {
+            if profile {
+                crate::driver::profile_begin_capture()?;
+            }
+            let r = g.enqueue(model, state);
+            if profile {
+                prof = crate::driver::profile_end();
+            }
+            launches = r?;
+            Ok(())
+        })?;
+        g.prof = prof;
+        g.kernels_per_step = launches;
+        tracing::debug!("decode graph: {launches} launches, {} nodes", graph.num_nodes());
+        g.graph = Some(graph);
+        Ok(g)
+    }
+
+    /// Enqueues one decode step on the stream; returns the number of launches.
+    fn enqueue(&self, model: &Model<CudaBackend>, state: &CudaState) -> Result<usize> {
+        let c = &*self.ctx;
+        let cfg = &model.config;
+        let eps = cfg.rms_norm_eps;
+        let h = cfg.hidden_size;
+        let slot = self.slot;
+        let mut n = 0;
+        ops::embed(c, &model.embed_tokens, self.token.ptr, self.x.ptr, 1)?;
+        n += 1;
+        for (li, layer) in model.layers.iter().enumerate() {
+            let norm_in = Some((layer.input_layernorm.buf.ptr, eps));
+            match &layer.mixer {
+                Mixer::DeltaNet(dl) => {
+                    let dd = &cfg.deltanet;
+                    let (cdim, vd, hv) = (dd.conv_dim(), dd.value_dim(), dd.num_v_heads);
+                    let segs = [(&dl.in_proj_qkv, 0), (&dl.in_proj_z, cdim), (&dl.in_proj_b, cdim + vd), (&dl.in_proj_a, cdim + vd + hv)];
+                    n += gemv_groups(c, &segs, self.x.ptr, norm_in, self.proj.ptr, 0, false)?;
+                    let p = self.proj.ptr;
+                    dn::decode(
+                        c,
+                        &dn::GdnDecodeArgs {
+                            qkv: p,
+                            z: p + (cdim * 4) as u64,
+                            b: p + ((cdim + vd) * 4) as u64,
+                            a: p + ((cdim + vd + hv) * 4) as u64,
+                            conv_w: dl.conv1d.buf.ptr,
+                            conv_state: state.conv_ptr(slot, dl.state_index),
+                            a_log: dl.a_log.buf.ptr,
+                            dt_bias: dl.dt_bias.buf.ptr,
+                            norm_w: dl.norm.buf.ptr,
+                            state: state.rec_ptr(slot, dl.state_index),
+                            out: self.y.ptr,
+                            pos_ptr: self.pos.ptr,
+                            hk: dd.num_k_heads as i32,
+                            hv: hv as i32,
+                            dk: dd.k_head_dim as i32,
+                            dv: dd.v_head_dim as i32,
+                            kc: dd.conv_kernel as i32,
+                            c: cdim as i32,
+                            pos: 0,
+                            eps,
+                            ..Default::default()
+                        },
+                    )?;
+                    n += 1;
+                    n += gemv_groups(c, &[(&dl.out_proj, 0)], self.y.ptr, None, self.x.ptr, 0, true)?;
+                }
+                Mixer::Attention(al) => {
+                    let ad = &cfg.attention;
+                    let (hq, hkv, dh) = (ad.num_heads, ad.num_kv_heads, ad.head_dim);
+                    let qrows = ad.q_proj_rows();
+                    let kv = ad.kv_rows();
+                    let segs = [(&al.q_proj, 0), (&al.k_proj, qrows), (&al.v_proj, qrows + kv)];
+                    n += gemv_groups(c, &segs, self.x.ptr, norm_in, self.proj.ptr, 0, false)?;
+                    let inv = model.backend.inv_freq(ad.rope_theta, ad.rotary_dim)?;
+                    let qstride = if ad.output_gate { 2 * dh } else { dh };
+                    let pa = at::PrepArgs {
+                        qg: self.proj.ptr,
+                        k: self.proj.ptr + (qrows * 4) as u64,
+                        v: self.proj.ptr + ((qrows + kv) * 4) as u64,
+                        q_norm: al.q_norm.buf.ptr,
+                        k_norm: al.k_norm.buf.ptr,
+                        inv_freq: inv.ptr,
+                        q_out: self.qbf.ptr,
+                        kpool: state.kpool_ptr(al.cache_index),
+                        vpool: state.vpool_ptr(al.cache_index),
+                        table: state.table_ptr(slot),
+                        pos_ptr: self.pos.ptr,
+                        t: 1,
+                        start: 0,
+                        hq: hq as i32,
+                        hkv: hkv as i32,
+                        d: dh as i32,
+                        r: ad.rotary_dim as i32,
+                        bs: KV_BLOCK as i32,
+                        ldq: (hq * qstride) as i32,
+                        qstride: qstride as i32,
+                        ldk: kv as i32,
+                        eps,
+                        ..Default::default()
+                    };
+                    at::prep(c, &pa)?;
+                    let aa = at::AttnArgs {
+                        q: self.qbf.ptr,
+                        kpool: pa.kpool,
+                        vpool: pa.vpool,
+                        table: pa.table,
+                        gate: if ad.output_gate { self.proj.ptr } else { 0 },
+                        out: self.y.ptr,
+                        part_o: self.part_o.ptr,
+                        part_ml: self.part_ml.ptr,
+                        pos_ptr: self.pos.ptr,
+                        t: 1,
+                        start: 0,
+                        hq: hq as i32,
+                        hkv: hkv as i32,
+                        g: (hq / hkv) as i32,
+                        bs: KV_BLOCK as i32,
+                        ldg: (hq * qstride) as i32,
+                        nsplit: GRAPH_SPLITS as i32,
+                        scale_log2: std::f32::consts::LOG2_E / (dh as f32).sqrt(),
+                        ..Default::default()
+                    };
+                    at::decode(c, &aa, dh)?;
+                    n += 3;
+                    n += gemv_groups(c, &[(&al.o_proj, 0)], self.y.ptr, None, self.x.ptr, 0, true)?;
+                }
+            }
+            let norm_post = (layer.post_attention_layernorm.buf.ptr, eps);
+            match &layer.ffn {
+                Ffn::Moe(w) => {
+                    let md = &cfg.moe;
+                    let e = md.num_experts;
+                    let shared = w.shared.as_ref().zip(w.shared_gate.as_ref());
+                    let route = |shared_col| RouteEpi {
+                        counter: self.counter.ptr,
+                        ids: self.route_ids.ptr,
+                        wts: self.route_w.ptr,
+                        e,
+                        topk: md.top_k,
+                        renorm: md.norm_topk_prob,
+                        shared_col,
+                        partial: self.router_partial.ptr,
+                    };
+                    match shared {
+                        Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
+                            ops::gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
+                            n += 1;
+                        }
+                        Some((_, sg)) => {
+                            ops::gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
+                            // The partials cover the router rows only; the shared-gate logit is already in place.
+                            ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
+                            n += 2;
+                        }
+                        None => {
+                            ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
+                            n += 1;
+                        }
+                    }
+                    let md2 = MoeDecode {
+                        gate: Some(&w.experts.gate),
+                        up: Some(&w.experts.up),
+                        down: Some(&w.experts.down),
+                        sh_gate: shared.map(|(s, _)| &s.gate_proj),
+                        sh_up: shared.map(|(s, _)| &s.up_proj),
+                        sh_down: shared.map(|(s, _)| &s.down_proj),
+                        topk: md.top_k,
+                    };
+                    ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
+                    ops::moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
+                    n += 2;
+                }
+                Ffn::Dense(mlp) => {
+                    let md2 = MoeDecode {
+                        gate: None,
+                        up: None,
+                        down: None,
+                        sh_gate: Some(&mlp.gate_proj),
+                        sh_up: Some(&mlp.up_proj),
+                        sh_down: Some(&mlp.down_proj),
+                        topk: 0,
+                    };
+                    ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
+                    ops::moe_down(c, &md2, self.hbuf.ptr, self.ones.ptr, self.route_ids.ptr, self.x.ptr)?;
+                    n += 2;
+                }
+            }
+            let _ = (li, h);
+        }
+        ops::gemv(c, &[(&model.lm_head, 0)], self.x.ptr, 0, 1, Some((model.norm.buf.ptr, eps)), self.logits.ptr, 0, false, None)?;
+        n += 1;
+        self.sample_into(self.logits.ptr, true)?;
+        Ok(n + 1)
+    }
+
+    /// Samples from `logits` into the input slot; logs the token at index `step` and advances
+    /// the step counter; `advance_pos` also advances the device position (decode steps).
+    fn sample_into(&self, logits: u64, advance_pos: bool) -> Result<()> {
+        let a = sp::SampleArgs {
+            logits,
+            params: self.params.ptr,
+            partial: self.partial.ptr,
+            counter: self.sample_counter.ptr,
+            token_out: self.token.ptr,
+            tokens_log: self.tokens_log.ptr,
+            pos: if advance_pos { self.pos.ptr } else { 0 },
+            step: self.step.ptr,
+            vocab: self.vocab as i32,
+            nblocks: sp::ARGMAX_BLOCKS as i32,
+            log_cap: self.max_steps as i32 + 1,
+            pad1: 0,
+        };
+        if self.greedy { sp::argmax(&self.ctx, &a) } else { sp::general(&self.ctx, &a) }
+    }
+
+    /// Samples the first token from prefill logits (a [1, vocab] row on the device) into the
+    /// input slot, sets the position to `pos` (the prompt length) and returns the token.
+    pub fn start(&mut self, logits_row: u64, pos: usize) -> Result<u32> {
+        self.ctx.gpu.bind()?;
+        self.pos.upload(0, bytemuck::bytes_of(&(pos as i32)))?;
+        self.step.upload(0, bytemuck::bytes_of(&0i32))?;
+        self.sample_into(logits_row, false)?;
+        self.pos_host = pos;
+        self.steps = 0;
+        self.read_token()
+    }
+
+    /// Sets the next input token and position directly (teacher forcing, tests).
+    pub fn set_input(&mut self, token: u32, pos: usize) -> Result<()> {
+        self.ctx.gpu.bind()?;
+        self.pos.upload(0, bytemuck::bytes_of(&(pos as i32)))?;
+        self.token.upload(0, bytemuck::bytes_of(&(token as i32)))?;
+        self.pos_host = pos;
+        Ok(())
+    }
+
+    fn read_token(&self) -> Result<u32> {
+        let mut t = [0i32];
+        self.token.download(0, bytemuck::cast_slice_mut(&mut t))?;
+        Ok(t[0] as u32)
+    }
+
+    /// Runs one step (the current input token at the current position) and returns the sampled
+    /// token, which is also the next step's input.
+    pub fn step(&mut self, state: &mut CudaState) -> Result<u32> {
+        self.launch(state)?;
+        self.read_token()
+    }
+
+    /// Enqueues one step without reading the token back.
+    pub fn launch(&mut self, state: &mut CudaState) -> Result<()> {
+        self.ctx.gpu.bind()?;
+        state.ensure_capacity(self.slot, self.pos_host + 1)?;
+        {
+            let s = state.slot_mut(self.slot)?;
+            if s.attn_len.iter().any(|&l| l != self.pos_host) {
+                return Err(Error::Op { op: "decode", msg: format!("the cache holds {:?} tokens, the step is at position {}", s.attn_len, self.pos_host) });
+            }
+            s.attn_len.iter_mut().for_each(|l| *l += 1);
+        }
+        self.graph.as_ref().expect("captured").launch(&self.ctx.gpu)?;
+        self.pos_host += 1;
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// The logits of the last step (tests, teacher-forced comparison).
+    pub fn logits(&self) -> Result<Vec<f32>> {
+        let mut v = vec![0f32; self.vocab];
+        self.logits.download(0, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(v)
+    }
+
+    /// Tokens sampled since `start` (the first one from the prefill logits), in order; the log
+    /// keeps the first `max_steps + 1`.
+    pub fn tokens(&self) -> Result<Vec<u32>> {
+        let n = (self.steps + 1).min(self.max_steps + 1);
+        let mut v = vec![0i32; n];
+        self.tokens_log.download(0, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(v.iter().map(|&t| t as u32).collect())
+    }
+
+    pub fn set_params(&mut self, p: sp::SampleParams) -> Result<()> {
+        let greedy = p.temperature <= 0.0 || p.top_k == 1;
+        if greedy != self.greedy {
+            return Err(Error::Op { op: "decode", msg: "switching between greedy and sampled decoding needs a new graph".into() });
+        }
+        self.params.upload(0, bytemuck::bytes_of(&p))
+    }
+}

@@ -1,0 +1,315 @@
+//! The op-level glue of the mixers and the MoE block: buffers, per-span launches, variant choice.
+//! No host synchronisation happens here: routing, token lists and tile tables stay on the GPU.
+
+use orchid_model::backend::{AttentionInputs, DeltaNetInputs, MoeWeights};
+use orchid_model::batch::BatchLayout;
+use orchid_model::config::{AttentionDims, DeltaNetDims, MoeDims};
+use orchid_model::error::{Error, Result};
+
+use crate::driver::{copy_d2d, DevBuf};
+use crate::ops::{self, attention as at, deltanet as dn, moe as mo};
+use crate::state::{CudaState, KV_BLOCK};
+use crate::{CudaBackend, CudaTensor};
+
+pub fn attention(
+    b: &CudaBackend,
+    inp: AttentionInputs<'_, CudaBackend>,
+    dims: &AttentionDims,
+    eps: f32,
+    layer: usize,
+    batch: &BatchLayout,
+    state: &mut CudaState,
+) -> Result<CudaTensor> {
+    let c = &b.ctx;
+    let (hq, hkv, d) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
+    at::check_head_dim(d)?;
+    let g = hq / hkv;
+    let qstride = if dims.output_gate { 2 * d } else { d };
+    let ldq = hq * qstride;
+    let t_all = inp.q_gate.rows;
+    if inp.q_gate.cols != ldq || inp.k.cols != hkv * d || inp.v.cols != hkv * d {
+        return Err(Error::Op { op: "attention", msg: format!("q_gate {} / k {} / v {} columns", inp.q_gate.cols, inp.k.cols, inp.v.cols) });
+    }
+    let out = b.tensor(t_all, hq * d)?;
+    let q_bf = DevBuf::alloc(b.gpu(), t_all * hq * d * 2)?;
+    let inv_freq = b.inv_freq(dims.rope_theta, dims.rotary_dim)?;
+    let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
+    for (span, off) in batch.spans.iter().zip(batch.offsets()) {
+        let have = state.slot(span.slot)?.attn_len[layer];
+        if have != span.start {
+            return Err(Error::Op { op: "attention", msg: format!("span starts at {} but the cache holds {have}", span.start) });
+        }
+        state.ensure_capacity(span.slot, span.start + span.len)?;
+        let p = at::PrepArgs {
+            qg: inp.q_gate.row_ptr(off),
+            k: inp.k.row_ptr(off),
+            v: inp.v.row_ptr(off),
+            q_norm: inp.q_norm.buf.ptr,
+            k_norm: inp.k_norm.buf.ptr,
+            inv_freq: inv_freq.ptr,
+            q_out: q_bf.ptr + (off * hq * d * 2) as u64,
+            kpool: state.kpool_ptr(layer),
+            vpool: state.vpool_ptr(layer),
+            table: state.table_ptr(span.slot),
+            pos_ptr: 0,
+            t: span.len as i32,
+            start: span.start as i32,
+            hq: hq as i32,
+            hkv: hkv as i32,
+            d: d as i32,
+            r: dims.rotary_dim as i32,
+            bs: KV_BLOCK as i32,
+            ldq: ldq as i32,
+            qstride: qstride as i32,
+            ldk: (hkv * d) as i32,
+            eps,
+            ..Default::default()
+        };
+        at::prep(c, &p)?;
+        let mut a = at::AttnArgs {
+            q: p.q_out,
+            kpool: p.kpool,
+            vpool: p.vpool,
+            table: p.table,
+            gate: if dims.output_gate { inp.q_gate.row_ptr(off) } else { 0 },
+            out: out.row_ptr(off),
+            t: span.len as i32,
+            start: span.start as i32,
+            hq: hq as i32,
+            hkv: hkv as i32,
+            g: g as i32,
+            bs: KV_BLOCK as i32,
+            ldg: ldq as i32,
+            scale_log2,
+            ..Default::default()
+        };
+        if span.len == 1 {
+            let nsplit = at::decode_splits(span.start + 1, hkv, b.gpu().sms as usize);
+            let nz = g.div_ceil(16);
+            let part_o = DevBuf::alloc(b.gpu(), hkv * nz * nsplit * 16 * d * 4)?;
+            let part_ml = DevBuf::alloc(b.gpu(), hkv * nz * nsplit * 16 * 2 * 4)?;
+            a.nsplit = nsplit as i32;
+            a.part_o = part_o.ptr;
+            a.part_ml = part_ml.ptr;
+            at::decode(c, &a, d)?;
+        } else {
+            at::prefill(c, &a, d)?;
+        }
+        state.slot_mut(span.slot)?.attn_len[layer] += span.len;
+    }
+    Ok(out)
+}
+
+pub fn deltanet(
+    b: &CudaBackend,
+    inp: DeltaNetInputs<'_, CudaBackend>,
+    dims: &DeltaNetDims,
+    eps: f32,
+    layer: usize,
+    batch: &BatchLayout,
+    state: &mut CudaState,
+) -> Result<CudaTensor> {
+    let c = &b.ctx;
+    let (hk, hv, dk, dv) = (dims.num_k_heads, dims.num_v_heads, dims.k_head_dim, dims.v_head_dim);
+    let (cdim, kc) = (dims.conv_dim(), dims.conv_kernel);
+    dn::check_dims(dk, dv, cdim, kc)?;
+    let t_all = inp.qkv.rows;
+    if inp.qkv.cols != cdim || inp.z.cols != hv * dv || inp.b.cols != hv || inp.a.cols != hv {
+        return Err(Error::Op { op: "deltanet", msg: "input widths do not match the GDN dims".into() });
+    }
+    let out = b.tensor(t_all, hv * dv)?;
+    let conv_len = state.conv_len;
+    for (span, off) in batch.spans.iter().zip(batch.offsets()) {
+        state.slot(span.slot)?;
+        let conv_base = state.conv_ptr(span.slot, layer);
+        let rec = state.rec_ptr(span.slot, layer);
+        let t = span.len;
+        if t == 1 {
+            let a = dn::GdnDecodeArgs {
+                qkv: inp.qkv.row_ptr(off),
+                z: inp.z.row_ptr(off),
+                b: inp.b.row_ptr(off),
+                a: inp.a.row_ptr(off),
+                conv_w: inp.conv.buf.ptr,
+                conv_state: conv_base,
+                a_log: inp.a_log.buf.ptr,
+                dt_bias: inp.dt_bias.buf.ptr,
+                norm_w: inp.norm.buf.ptr,
+                state: rec,
+                out: out.row_ptr(off),
+                pos_ptr: 0,
+                hk: hk as i32,
+                hv: hv as i32,
+                dk: dk as i32,
+                dv: dv as i32,
+                kc: kc as i32,
+                c: cdim as i32,
+                pos: span.start as i32,
+                eps,
+                ..Default::default()
+            };
+            dn::decode(c, &a)?;
+            continue;
+        }
+        let xc = b.tensor(t, cdim)?;
+        let tmp = DevBuf::alloc(b.gpu(), conv_len * 4)?;
+        dn::conv(
+            c,
+            &dn::ConvArgs {
+                x: inp.qkv.row_ptr(off),
+                w: inp.conv.buf.ptr,
+                state_in: conv_base + ((span.start & 1) * conv_len * 4) as u64,
+                state_out: tmp.ptr,
+                out: xc.ptr(),
+                t: t as i32,
+                c: cdim as i32,
+                kc: kc as i32,
+                ldx: cdim as i32,
+            },
+        )?;
+        copy_d2d(b.gpu(), conv_base + (((span.start + t) & 1) * conv_len * 4) as u64, tmp.ptr, conv_len * 4)?;
+        let beta = DevBuf::alloc(b.gpu(), t * hv * 4)?;
+        let gdec = DevBuf::alloc(b.gpu(), t * hv * 4)?;
+        dn::prep(
+            c,
+            &dn::GdnPrepArgs {
+                x: xc.ptr(),
+                b: inp.b.row_ptr(off),
+                a: inp.a.row_ptr(off),
+                a_log: inp.a_log.buf.ptr,
+                dt_bias: inp.dt_bias.buf.ptr,
+                beta: beta.ptr,
+                gdec: gdec.ptr,
+                t: t as i32,
+                hk: hk as i32,
+                hv: hv as i32,
+                dk: dk as i32,
+                ldb: hv as i32,
+                lda: hv as i32,
+                c: cdim as i32,
+                pad: 0,
+            },
+        )?;
+        let core = b.tensor(t, hv * dv)?;
+        dn::chunk(
+            c,
+            &dn::ChunkArgs {
+                x: xc.ptr(),
+                beta: beta.ptr,
+                gdec: gdec.ptr,
+                state: rec,
+                out: core.ptr(),
+                t: t as i32,
+                hk: hk as i32,
+                hv: hv as i32,
+                dk: dk as i32,
+                dv: dv as i32,
+                c: cdim as i32,
+                cw: dn::chunk_cols(dv) as i32,
+                pad: 0,
+            },
+        )?;
+        dn::gated_norm(
+            c,
+            &dn::GNormArgs {
+                core: core.ptr(),
+                z: inp.z.row_ptr(off),
+                w: inp.norm.buf.ptr,
+                out: out.row_ptr(off),
+                t: t as i32,
+                hv: hv as i32,
+                dv: dv as i32,
+                ldz: (hv * dv) as i32,
+                eps,
+                pad0: 0,
+            },
+        )?;
+    }
+    Ok(out)
+}
+
+pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims) -> Result<CudaTensor> {
+    let c = &b.ctx;
+    let (t, h) = (x.rows, x.cols);
+    let (e, k) = (dims.num_experts, dims.top_k);
+    if e > 512 || k > 32 || w.experts.num != e {
+        return Err(Error::Op { op: "moe", msg: format!("{e} experts / top-{k} (the GPU router handles at most 512 / 32)") });
+    }
+    let gpu = b.gpu();
+    let logits = b.tensor(t, e)?;
+    ops::matmul(c, &w.router, x.ptr(), h, t, logits.ptr(), e)?;
+    let ids = DevBuf::alloc(gpu, t * k * 4)?;
+    let wts = DevBuf::alloc(gpu, t * k * 4)?;
+    let counts = DevBuf::zeros(gpu, e * 4)?;
+    mo::topk(
+        c,
+        &mo::TopkArgs {
+            logits: logits.ptr(),
+            ids: ids.ptr,
+            wts: wts.ptr,
+            counts: counts.ptr,
+            t: t as i32,
+            e: e as i32,
+            topk: k as i32,
+            renorm: dims.norm_topk_prob as i32,
+            ldl: e as i32,
+            ..Default::default()
+        },
+    )?;
+    let bn = ops::gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e));
+    let max_tiles = (t * k).div_ceil(bn) + e;
+    let offsets = DevBuf::alloc(gpu, e * 4)?;
+    let cursor = DevBuf::alloc(gpu, e * 4)?;
+    let tiles = DevBuf::alloc(gpu, max_tiles * 16)?;
+    let num_tiles = DevBuf::alloc(gpu, 4)?;
+    mo::scan(
+        c,
+        &mo::ScanArgs { counts: counts.ptr, offsets: offsets.ptr, cursor: cursor.ptr, tiles: tiles.ptr, num_tiles: num_tiles.ptr, e: e as i32, bn: bn as i32, ..Default::default() },
+    )?;
+    let assign_tok = DevBuf::alloc(gpu, t * k * 4)?;
+    let slot_pos = DevBuf::alloc(gpu, t * k * 4)?;
+    mo::scatter(c, &mo::ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok: assign_tok.ptr, slot_pos: slot_pos.ptr, t: t as i32, topk: k as i32, ..Default::default() })?;
+    let inter = w.experts.gate.rows;
+    let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
+    let grouped = || ops::Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };
+    ops::gemm(c, &w.experts.gate, Some(&w.experts.up), x.ptr(), h, assign_tok.ptr, t * k, Some(grouped()), hbuf.ptr, inter)?;
+    let ybuf = DevBuf::alloc(gpu, t * k * h * 4)?;
+    ops::gemm(c, &w.experts.down, None, hbuf.ptr, inter, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
+    // Shared expert (all tokens) and its sigmoid gate.
+    let mut shared_out = None;
+    if let (Some(m), Some(gw)) = (&w.shared, &w.shared_gate) {
+        let sg = b.tensor(t, 1)?;
+        ops::matmul(c, gw, x.ptr(), h, t, sg.ptr(), 1)?;
+        let is = m.gate_proj.rows;
+        let sh_h = b.tensor(t, is)?;
+        if t <= 8 {
+            let gt = b.tensor(t, is)?;
+            let up = b.tensor(t, is)?;
+            ops::matmul(c, &m.gate_proj, x.ptr(), h, t, gt.ptr(), is)?;
+            ops::matmul(c, &m.up_proj, x.ptr(), h, t, up.ptr(), is)?;
+            ops::silu_mul(c, gt.ptr(), up.ptr(), sh_h.ptr(), t * is)?;
+        } else {
+            ops::gemm(c, &m.gate_proj, Some(&m.up_proj), x.ptr(), h, 0, t, None, sh_h.ptr(), is)?;
+        }
+        let sh = b.tensor(t, h)?;
+        ops::matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
+        shared_out = Some((sh, sg));
+    }
+    let out = b.tensor(t, h)?;
+    mo::combine(
+        c,
+        &mo::CombineArgs {
+            y: ybuf.ptr,
+            wts: wts.ptr,
+            slot_pos: slot_pos.ptr,
+            shared: shared_out.as_ref().map_or(0, |s| s.0.ptr()),
+            shared_gate: shared_out.as_ref().map_or(0, |s| s.1.ptr()),
+            out: out.ptr(),
+            t: t as i32,
+            h: h as i32,
+            topk: k as i32,
+            ld_sg: 1,
+        },
+    )?;
+    Ok(out)
+}

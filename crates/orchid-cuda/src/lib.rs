@@ -1,0 +1,287 @@
+//! orchid-cuda: the CUDA backend. Kernels are CUDA C++ in `kernels/*.cu` (one op family per
+//! file), compiled at run time with NVRTC for the GPU found and cached on disk; the CUDA
+//! libraries are opened at run time, so this crate builds and its tests pass on machines
+//! without CUDA (the GPU tests print "skipped: no GPU").
+//!
+//! Activations are f32 row-major device tensors; matrix products use bf16 tensor-core operands
+//! with f32 accumulation (weights stay 4-bit in memory, see `weights`). The op-level [`Backend`]
+//! implementation serves prefill and any batch; [`decode::DecodeGraph`] is the fast single-token
+//! path: one CUDA graph per step, fused kernels, the sampled token written on the GPU into the
+//! next step's input.
+
+pub mod bf16ref;
+pub mod compile;
+pub mod decode;
+pub mod driver;
+pub mod exec;
+pub mod ops;
+pub mod state;
+pub mod weights;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use orchid_model::backend::{AttentionInputs, Backend, DeltaNetInputs, MoeWeights, StateOptions};
+use orchid_model::batch::BatchLayout;
+use orchid_model::config::{AttentionDims, DeltaNetDims, ModelConfig, MoeDims};
+use orchid_model::error::{Error, Result};
+use orchid_model::linear::LinearWeight;
+use orchid_model::weights::HostMlp;
+
+pub use decode::DecodeGraph;
+pub use driver::{available, probe};
+pub use ops::sampling::SampleParams;
+pub use state::CudaState;
+pub use weights::{GpuExperts, GpuLinear, GpuVec};
+
+use driver::{DevBuf, Gpu};
+use ops::Ctx;
+
+/// An activation matrix [rows, cols] f32 on the device.
+pub struct CudaTensor {
+    pub buf: DevBuf,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CudaTensor {
+    pub fn ptr(&self) -> u64 {
+        self.buf.ptr
+    }
+    /// Address of row r.
+    pub fn row_ptr(&self, r: usize) -> u64 {
+        self.buf.ptr + (r * self.cols * 4) as u64
+    }
+}
+
+/// Cheap to clone: clones share the GPU, the kernels and the RoPE tables.
+#[derive(Clone)]
+pub struct CudaBackend {
+    pub ctx: Arc<Ctx>,
+    rope: Arc<Mutex<HashMap<(u64, usize), Arc<DevBuf>>>>,
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or loads cached) kernels.
+    pub fn new(ordinal: i32) -> Result<CudaBackend> {
+        let gpu = Gpu::new(ordinal)?;
+        let ctx = Ctx::new(gpu)?;
+        Ok(CudaBackend { ctx: Arc::new(ctx), rope: Arc::new(Mutex::new(HashMap::new())) })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.ctx.gpu
+    }
+
+    pub fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor { buf: DevBuf::alloc(self.gpu(), rows * cols * 4)?, rows, cols })
+    }
+
+    /// Uploads a host matrix (tests and tools).
+    pub fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaTensor> {
+        assert_eq!(data.len(), rows * cols);
+        self.gpu().bind()?;
+        Ok(CudaTensor { buf: DevBuf::from_slice(self.gpu(), data)?, rows, cols })
+    }
+
+    /// RoPE inverse frequencies (f32, computed like transformers and the CPU backend), cached.
+    pub fn inv_freq(&self, theta: f64, rotary: usize) -> Result<Arc<DevBuf>> {
+        let key = (theta.to_bits(), rotary);
+        let mut m = self.rope.lock().unwrap();
+        if let Some(b) = m.get(&key) {
+            return Ok(b.clone());
+        }
+        let v: Vec<f32> = (0..rotary / 2).map(|i| (1.0 / theta.powf((2 * i) as f64 / rotary as f64)) as f32).collect();
+        let b = Arc::new(DevBuf::from_slice(self.gpu(), &v)?);
+        m.insert(key, b.clone());
+        Ok(b)
+    }
+
+    fn ids_buf(&self, ids: &[u32]) -> Result<DevBuf> {
+        let v: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+        DevBuf::from_slice(self.gpu(), &v)
+    }
+}
+
+fn shape_err(op: &'static str, msg: String) -> Error {
+    Error::Op { op, msg }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Linear = GpuLinear;
+    type Vector = GpuVec;
+    type Experts = GpuExperts;
+    type State = CudaState;
+
+    fn describe(&self) -> String {
+        let g = self.gpu();
+        format!("cuda: {} (sm_{}{}, {} SMs, {:.0} GiB)", g.name, g.cc.0, g.cc.1, g.sms, g.total_mem as f64 / 1073741824.0)
+    }
+
+    fn upload_linear(&self, w: &LinearWeight) -> Result<GpuLinear> {
+        self.gpu().bind()?;
+        weights::upload_linear(self.gpu(), w)
+    }
+
+    fn upload_vector(&self, v: &[f32]) -> Result<GpuVec> {
+        self.gpu().bind()?;
+        weights::upload_vec(self.gpu(), v)
+    }
+
+    fn upload_experts(&self, experts: &[HostMlp]) -> Result<GpuExperts> {
+        self.gpu().bind()?;
+        weights::upload_experts(self.gpu(), experts)
+    }
+
+    fn new_state(&self, cfg: &ModelConfig, opts: StateOptions) -> Result<CudaState> {
+        self.gpu().bind()?;
+        if cfg.num_attention_layers() > 0 {
+            ops::attention::check_head_dim(cfg.attention.head_dim)?;
+        }
+        let d = &cfg.deltanet;
+        if cfg.num_deltanet_layers() > 0 {
+            ops::deltanet::check_dims(d.k_head_dim, d.v_head_dim, d.conv_dim(), d.conv_kernel)?;
+        }
+        CudaState::new(self.gpu(), cfg, opts)
+    }
+
+    fn embed(&self, table: &GpuLinear, ids: &[u32]) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
+            return Err(shape_err("embed", format!("token id {bad} >= {} rows", table.rows)));
+        }
+        let idb = self.ids_buf(ids)?;
+        let out = self.tensor(ids.len(), table.cols)?;
+        ops::embed(&self.ctx, table, idb.ptr, out.ptr(), ids.len())?;
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &GpuVec, eps: f32) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        if x.cols != w.len {
+            return Err(shape_err("rms_norm", format!("{} columns, weight of {}", x.cols, w.len)));
+        }
+        let y = self.tensor(x.rows, x.cols)?;
+        ops::rms_norm(&self.ctx, x.ptr(), w.buf.ptr, y.ptr(), x.rows, x.cols, eps)?;
+        Ok(y)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        self.gpu().bind()?;
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(shape_err("add", format!("[{}, {}] + [{}, {}]", x.rows, x.cols, y.rows, y.cols)));
+        }
+        ops::add_assign(&self.ctx, x.ptr(), y.ptr(), x.rows * x.cols)
+    }
+
+    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &GpuVec, eps: f32) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        if (x.rows, x.cols) != (y.rows, y.cols) || x.cols != w.len {
+            return Err(shape_err("add_rms_norm", format!("[{}, {}] + [{}, {}], weight {}", x.rows, x.cols, y.rows, y.cols, w.len)));
+        }
+        let out = self.tensor(x.rows, x.cols)?;
+        ops::add_rms_norm(&self.ctx, x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), x.rows, x.cols, eps)?;
+        Ok(out)
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &GpuLinear) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        if x.cols != w.cols || w.count != 1 {
+            return Err(shape_err("matmul", format!("x [{}, {}] · W [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
+        }
+        let out = self.tensor(x.rows, w.rows)?;
+        ops::matmul(&self.ctx, w, x.ptr(), x.cols, x.rows, out.ptr(), w.rows)?;
+        Ok(out)
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        if (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return Err(shape_err("silu_mul", "shape mismatch".into()));
+        }
+        let out = self.tensor(gate.rows, gate.cols)?;
+        ops::silu_mul(&self.ctx, gate.ptr(), up.ptr(), out.ptr(), gate.rows * gate.cols)?;
+        Ok(out)
+    }
+
+    fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(shape_err("select_rows", format!("row {bad} of {}", x.rows)));
+        }
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let ib = DevBuf::from_slice(self.gpu(), &idx)?;
+        let out = self.tensor(rows.len(), x.cols)?;
+        ops::gather_rows(&self.ctx, x.ptr(), ib.ptr, out.ptr(), rows.len(), x.cols)?;
+        Ok(out)
+    }
+
+    fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {
+        self.gpu().bind()?;
+        let mut v = vec![0f32; x.rows * x.cols];
+        x.buf.download(0, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(v)
+    }
+
+    fn attention(
+        &self,
+        inp: AttentionInputs<'_, Self>,
+        dims: &AttentionDims,
+        eps: f32,
+        layer: usize,
+        batch: &BatchLayout,
+        state: &mut CudaState,
+    ) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        exec::attention(self, inp, dims, eps, layer, batch, state)
+    }
+
+    fn deltanet(
+        &self,
+        inp: DeltaNetInputs<'_, Self>,
+        dims: &DeltaNetDims,
+        eps: f32,
+        layer: usize,
+        batch: &BatchLayout,
+        state: &mut CudaState,
+    ) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        exec::deltanet(self, inp, dims, eps, layer, batch, state)
+    }
+
+    fn moe(&self, x: &CudaTensor, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<CudaTensor> {
+        self.gpu().bind()?;
+        exec::moe(self, x, w, dims)
+    }
+}
+
+/// Samples one token from a [1, vocab] logits row on the GPU (eager; for tests and tools).
+/// `step` is the generator's counter: the same (seed, step) gives the same token.
+pub fn sample(b: &CudaBackend, logits: &CudaTensor, params: SampleParams, step: u32) -> Result<u32> {
+    b.gpu().bind()?;
+    let g = b.gpu();
+    let pbuf = DevBuf::from_slice(g, &[params])?;
+    let partial = DevBuf::zeros(g, 8 * ops::sampling::ARGMAX_BLOCKS)?;
+    let counter = DevBuf::zeros(g, 4)?;
+    let token = DevBuf::zeros(g, 4)?;
+    let stepb = DevBuf::from_slice(g, &[step as i32])?;
+    let a = ops::sampling::SampleArgs {
+        logits: logits.ptr(),
+        params: pbuf.ptr,
+        partial: partial.ptr,
+        counter: counter.ptr,
+        token_out: token.ptr,
+        tokens_log: 0,
+        pos: 0,
+        step: stepb.ptr,
+        vocab: logits.cols as i32,
+        nblocks: ops::sampling::ARGMAX_BLOCKS as i32,
+        log_cap: 0,
+        pad1: 0,
+    };
+    if params.is_greedy() { ops::sampling::argmax(&b.ctx, &a)? } else { ops::sampling::general(&b.ctx, &a)? }
+    let mut t = [0i32];
+    token.download(0, bytemuck::cast_slice_mut(&mut t))?;
+    Ok(t[0] as u32)
+}

@@ -1,0 +1,566 @@
+//! Thin launchers: one `#[repr(C)]` struct per CUDA argument struct (same field order, so the
+//! layouts agree), shape checks, and the choice of kernel variant (pure functions, unit-tested).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use orchid_model::error::{Error, Result};
+
+use crate::driver::{DevBuf, Gpu, Kernel};
+use crate::weights::{GpuLinear, WFormat};
+
+/// Every kernel name, per source file.
+pub const KERNEL_NAMES: &[(&str, &[&str])] = &[
+    ("elementwise", &["rms_norm", "add_rms_norm", "add_assign", "silu_mul", "gather_rows", "embed_q4", "embed_bf16"]),
+    ("gemv", &["gemv_q4", "gemv_bf16", "moe_up_q4", "moe_up_bf16", "moe_down_q4", "moe_down_bf16"]),
+    (
+        "gemm",
+        &[
+            "gemm_q4_n32", "gemm_q4_pair_n32", "gemm_bf16_n32", "gemm_bf16_pair_n32", "gemm_q4_n64", "gemm_q4_n128", "gemm_q4_pair_n64", "gemm_q4_pair_n128", "gemm_bf16_n64", "gemm_bf16_n128",
+            "gemm_bf16_pair_n64", "gemm_bf16_pair_n128",
+        ],
+    ),
+    (
+        "attention",
+        &[
+            "attn_prep", "attn_combine", "attn_prefill_d32", "attn_decode_d32", "attn_prefill_d64", "attn_decode_d64",
+            "attn_prefill_d128", "attn_decode_d128", "attn_prefill_d256", "attn_decode_d256",
+        ],
+    ),
+    ("deltanet", &["gdn_conv", "gdn_prep", "gdn_chunk", "gdn_gated_norm", "gdn_decode"]),
+    ("moe", &["moe_topk", "moe_scan", "moe_scatter", "moe_combine"]),
+    ("sampling", &["sample_argmax", "sample_general"]),
+];
+
+/// The GPU plus every loaded kernel.
+pub struct Ctx {
+    pub gpu: Arc<Gpu>,
+    kernels: HashMap<&'static str, Kernel>,
+}
+
+impl Ctx {
+    /// Compiles (or loads from the cache) every kernel family, in parallel.
+    pub fn new(gpu: Arc<Gpu>) -> Result<Ctx> {
+        let target = crate::compile::target_for(gpu.cc);
+        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = crate::compile::SOURCES
+                .iter()
+                .map(|(name, src)| {
+                    let t = target.clone();
+                    s.spawn(move || crate::compile::compile(name, src, &t))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Backend("kernel compile thread panicked".into())))).collect()
+        });
+        gpu.bind()?;
+        let mut kernels = HashMap::new();
+        for ((name, _), cubin) in crate::compile::SOURCES.iter().zip(cubins) {
+            let cubin = cubin?;
+            let names = KERNEL_NAMES.iter().find(|(n, _)| n == name).map(|(_, k)| *k).unwrap_or(&[]);
+            for k in crate::driver::load_module(&gpu, &cubin, names)? {
+                kernels.insert(k.name, k);
+            }
+        }
+        Ok(Ctx { gpu, kernels })
+    }
+
+    pub fn k(&self, name: &str) -> Kernel {
+        *self.kernels.get(name).unwrap_or_else(|| panic!("kernel {name} is not loaded"))
+    }
+
+    pub fn alloc_f32(&self, n: usize) -> Result<DevBuf> {
+        DevBuf::alloc(&self.gpu, n * 4)
+    }
+}
+
+pub mod attention;
+pub mod deltanet;
+pub mod moe;
+pub mod sampling;
+
+#[macro_export]
+#[doc(hidden)]
+macro_rules! params {
+    ($($v:expr),*) => { &mut [$( &$v as *const _ as *mut std::ffi::c_void ),*] };
+}
+pub(crate) use params;
+
+// ------------------------------------------------------------------------------------------------
+// Elementwise
+
+pub fn rms_norm(c: &Ctx, x: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<()> {
+    let (n32, eps) = (n as i32, eps);
+    c.k("rms_norm").launch_raw(&c.gpu, (rows as u32, 1, 1), 256, 0, params!(x, w, y, n32, eps))
+}
+
+pub fn add_rms_norm(c: &Ctx, x: u64, r: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<()> {
+    let n32 = n as i32;
+    c.k("add_rms_norm").launch_raw(&c.gpu, (rows as u32, 1, 1), 256, 0, params!(x, r, w, y, n32, eps))
+}
+
+fn grid1d(n: usize) -> u32 {
+    (n.div_ceil(256)).clamp(1, 65535 * 8) as u32
+}
+
+pub fn add_assign(c: &Ctx, x: u64, y: u64, n: usize) -> Result<()> {
+    let n64 = n as i64;
+    c.k("add_assign").launch_raw(&c.gpu, (grid1d(n), 1, 1), 256, 0, params!(x, y, n64))
+}
+
+pub fn silu_mul(c: &Ctx, g: u64, u: u64, out: u64, n: usize) -> Result<()> {
+    let n64 = n as i64;
+    c.k("silu_mul").launch_raw(&c.gpu, (grid1d(n), 1, 1), 256, 0, params!(g, u, out, n64))
+}
+
+pub fn gather_rows(c: &Ctx, x: u64, rows: u64, out: u64, nrows: usize, n: usize) -> Result<()> {
+    let n32 = n as i32;
+    c.k("gather_rows").launch_raw(&c.gpu, (nrows as u32, 1, 1), 256, 0, params!(x, rows, out, n32))
+}
+
+pub fn embed(c: &Ctx, table: &GpuLinear, ids: u64, out: u64, t: usize) -> Result<()> {
+    let (n, kpad) = (table.cols as i32, table.kpad as i32);
+    let w = table.w_ptr();
+    match table.fmt {
+        WFormat::Q4 => {
+            let sb = table.sb_ptr();
+            c.k("embed_q4").launch_raw(&c.gpu, (t as u32, 1, 1), 256, 0, params!(w, sb, ids, out, n, kpad))
+        }
+        WFormat::Bf16 => c.k("embed_bf16").launch_raw(&c.gpu, (t as u32, 1, 1), 256, 0, params!(w, ids, out, n, kpad)),
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decode matvecs
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct GemvSeg {
+    pub w: u64,
+    pub sb: u64,
+    pub rows: i32,
+    pub tiles: i32,
+    pub out_col: i32,
+    pub pad: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct GemvArgs {
+    pub seg: [GemvSeg; 4],
+    pub x: u64,
+    pub norm_w: u64,
+    pub out: u64,
+    pub route_counter: u64,
+    pub route_ids: u64,
+    pub route_w: u64,
+    pub partial: u64,
+    pub nseg: i32,
+    pub k: i32,
+    pub kpad: i32,
+    pub ldx: i32,
+    pub t: i32,
+    pub ldo: i32,
+    pub accumulate: i32,
+    pub ksplit: i32,
+    pub eps: f32,
+    pub e: i32,
+    pub topk: i32,
+    pub renorm: i32,
+    pub shared_col: i32,
+    pub kparts: i32,
+    pub pad1: i32,
+    pub pad2: i32,
+}
+
+/// Warps per 16-row tile along K: about four 128-k (Q4) or 32-k (bf16) units per warp.
+pub fn gemv_ksplit(nunits: usize) -> usize {
+    let mut ks = 1;
+    while ks < 8 && nunits >= ks * 2 * 4 {
+        ks *= 2;
+    }
+    if nunits >= 8 && ks < 2 {
+        ks = 2;
+    }
+    ks
+}
+
+pub fn units_of(fmt: WFormat, kpad: usize) -> usize {
+    match fmt {
+        WFormat::Q4 => kpad / 128,
+        WFormat::Bf16 => kpad / 32,
+    }
+}
+
+/// Optional router epilogue: the last block computes the top-k of the first `e` outputs.
+pub struct RouteEpi {
+    pub counter: u64,
+    pub ids: u64,
+    pub wts: u64,
+    pub e: usize,
+    pub topk: usize,
+    pub renorm: bool,
+    pub shared_col: Option<usize>,
+    /// Scratch for K-split partial sums: f32 [ROUTER_KPARTS][ldo].
+    pub partial: u64,
+}
+
+/// K parts of the decode router matvec (more blocks than its 17 row tiles alone).
+pub const ROUTER_KPARTS: usize = 8;
+
+/// y[t, out_col_i + r] (=|+=) Σ_k x[t, k] W_i[r, k] for T ≤ 8 tokens; segments share x and the format.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    c: &Ctx,
+    segs: &[(&GpuLinear, usize)],
+    x: u64,
+    ldx: usize,
+    t: usize,
+    norm: Option<(u64, f32)>,
+    out: u64,
+    ldo: usize,
+    accumulate: bool,
+    route: Option<RouteEpi>,
+) -> Result<()> {
+    if t == 0 || t > 8 || segs.is_empty() || segs.len() > 4 {
+        return Err(Error::Op { op: "gemv", msg: format!("{t} tokens, {} segments", segs.len()) });
+    }
+    let (fmt, kpad, k) = (segs[0].0.fmt, segs[0].0.kpad, segs[0].0.cols);
+    if segs.iter().any(|(w, _)| w.fmt != fmt || w.kpad != kpad || w.cols != k) {
+        return Err(Error::Op { op: "gemv", msg: "segments differ in format or K".into() });
+    }
+    let mut a = GemvArgs::default();
+    let mut total_tiles = 0;
+    for (i, (w, col)) in segs.iter().enumerate() {
+        let tiles = w.rows.div_ceil(16) as i32;
+        a.seg[i] = GemvSeg { w: w.w_ptr(), sb: w.sb_ptr(), rows: w.rows as i32, tiles, out_col: *col as i32, pad: 0 };
+        total_tiles += tiles as usize;
+    }
+    a.nseg = segs.len() as i32;
+    a.x = x;
+    a.k = k as i32;
+    a.kpad = kpad as i32;
+    a.ldx = ldx as i32;
+    a.t = t as i32;
+    a.out = out;
+    a.ldo = ldo as i32;
+    a.accumulate = accumulate as i32;
+    if let Some((w, eps)) = norm {
+        a.norm_w = w;
+        a.eps = eps;
+    }
+    a.shared_col = -1;
+    if let Some(r) = route {
+        if r.e > 512 || r.topk > 32 {
+            return Err(Error::Op { op: "router", msg: format!("{} experts / top-{} (at most 512 / 32 on the GPU)", r.e, r.topk) });
+        }
+        a.route_counter = r.counter;
+        a.partial = r.partial;
+        a.route_ids = r.ids;
+        a.route_w = r.wts;
+        a.e = r.e as i32;
+        a.topk = r.topk as i32;
+        a.renorm = r.renorm as i32;
+        a.shared_col = r.shared_col.map_or(-1, |c| c as i32);
+    }
+    let units = units_of(fmt, kpad);
+    let mut kparts = 1;
+    if a.route_counter != 0 && a.partial != 0 {
+        kparts = ROUTER_KPARTS.min(units / 2).max(1);
+    }
+    let ks = if kparts > 1 { 8 } else { gemv_ksplit(units) };
+    a.ksplit = ks as i32;
+    a.kparts = kparts as i32;
+    let tpb = 8 / ks;
+    let blocks = total_tiles.div_ceil(tpb);
+    let smem = t * (kpad + 8) * 2 + t * (kpad / 64) * 4 + 8 * 32 * 4 * 4;
+    let name = if fmt == WFormat::Q4 { "gemv_q4" } else { "gemv_bf16" };
+    c.k(name).launch(&c.gpu, (blocks as u32, kparts as u32, 1), 256, smem as u32, &a)
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct MoeUpArgs {
+    pub gate_w: u64,
+    pub gate_sb: u64,
+    pub up_w: u64,
+    pub up_sb: u64,
+    pub sh_gate_w: u64,
+    pub sh_gate_sb: u64,
+    pub sh_up_w: u64,
+    pub sh_up_sb: u64,
+    pub x: u64,
+    pub norm_w: u64,
+    pub ids: u64,
+    pub h: u64,
+    pub k: i32,
+    pub kpad: i32,
+    pub i: i32,
+    pub rows_e: i32,
+    pub is: i32,
+    pub topk: i32,
+    pub hstride: i32,
+    pub ksplit: i32,
+    pub eps: f32,
+    pub has_shared: i32,
+    pub pad0: i32,
+    pub pad1: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct MoeDownArgs {
+    pub down_w: u64,
+    pub down_sb: u64,
+    pub sh_down_w: u64,
+    pub sh_down_sb: u64,
+    pub h: u64,
+    pub route_w: u64,
+    pub ids: u64,
+    pub out: u64,
+    pub hdim: i32,
+    pub rows_e: i32,
+    pub kpad_r: i32,
+    pub kpad_s: i32,
+    pub i: i32,
+    pub is: i32,
+    pub topk: i32,
+    pub has_shared: i32,
+    pub hstride: i32,
+    pub ksplit: i32,
+    pub pad0: i32,
+    pub pad1: i32,
+}
+
+/// Experts of one decode MoE: routed (stacked) and an optional shared (or dense) MLP.
+pub struct MoeDecode<'a> {
+    pub gate: Option<&'a GpuLinear>,
+    pub up: Option<&'a GpuLinear>,
+    pub down: Option<&'a GpuLinear>,
+    pub sh_gate: Option<&'a GpuLinear>,
+    pub sh_up: Option<&'a GpuLinear>,
+    pub sh_down: Option<&'a GpuLinear>,
+    pub topk: usize,
+}
+
+impl MoeDecode<'_> {
+    fn fmt(&self) -> Result<WFormat> {
+        let all: Vec<&GpuLinear> =
+            [self.gate, self.up, self.down, self.sh_gate, self.sh_up, self.sh_down].into_iter().flatten().collect();
+        let f = all.first().map(|w| w.fmt).ok_or_else(|| Error::Op { op: "moe", msg: "no experts".into() })?;
+        if all.iter().any(|w| w.fmt != f) {
+            return Err(Error::Op { op: "moe decode", msg: "routed and shared experts are stored in different formats".into() });
+        }
+        Ok(f)
+    }
+    pub fn hstride(&self) -> usize {
+        self.gate.map_or(0, |g| g.rows).max(self.sh_gate.map_or(0, |g| g.rows))
+    }
+}
+
+/// h[src] = silu(gate_src · xn) ⊙ (up_src · xn), xn = rms_norm(x) (one token).
+pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64) -> Result<()> {
+    let fmt = m.fmt()?;
+    let any = m.gate.or(m.sh_gate).unwrap();
+    let (k, kpad) = (any.cols, any.kpad);
+    let mut a = MoeUpArgs { x, norm_w: norm.0, eps: norm.1, ids, h, k: k as i32, kpad: kpad as i32, topk: m.topk as i32, ..Default::default() };
+    if let (Some(g), Some(u)) = (m.gate, m.up) {
+        a.gate_w = g.w_ptr();
+        a.gate_sb = g.sb_ptr();
+        a.up_w = u.w_ptr();
+        a.up_sb = u.sb_ptr();
+        a.i = g.rows as i32;
+        a.rows_e = g.rows_pad as i32;
+    }
+    if let (Some(g), Some(u)) = (m.sh_gate, m.sh_up) {
+        a.sh_gate_w = g.w_ptr();
+        a.sh_gate_sb = g.sb_ptr();
+        a.sh_up_w = u.w_ptr();
+        a.sh_up_sb = u.sb_ptr();
+        a.is = g.rows as i32;
+        a.has_shared = 1;
+    }
+    a.hstride = m.hstride() as i32;
+    let ks = gemv_ksplit(units_of(fmt, kpad));
+    a.ksplit = ks as i32;
+    let tiles = m.hstride().div_ceil(16);
+    let nsrc = m.topk + a.has_shared as usize;
+    let smem = (kpad + 8) * 2 + (kpad / 64) * 4 + 8 * 32 * 8 * 4;
+    let name = if fmt == WFormat::Q4 { "moe_up_q4" } else { "moe_up_bf16" };
+    c.k(name).launch(&c.gpu, (tiles.div_ceil(8 / ks) as u32, nsrc as u32, 1), 256, smem as u32, &a)
+}
+
+/// out += Σ_src w[src] · down_src · h[src]  (w: routing weights, then the shared gate).
+pub fn moe_down(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64) -> Result<()> {
+    let fmt = m.fmt()?;
+    let any = m.down.or(m.sh_down).unwrap();
+    let hdim = any.rows;
+    let mut a = MoeDownArgs { h, route_w, ids, out, hdim: hdim as i32, topk: m.topk as i32, hstride: m.hstride() as i32, ..Default::default() };
+    if let Some(d) = m.down {
+        a.down_w = d.w_ptr();
+        a.down_sb = d.sb_ptr();
+        a.rows_e = d.rows_pad as i32;
+        a.kpad_r = d.kpad as i32;
+        a.i = d.cols as i32;
+    }
+    if let Some(d) = m.sh_down {
+        a.sh_down_w = d.w_ptr();
+        a.sh_down_sb = d.sb_ptr();
+        a.kpad_s = d.kpad as i32;
+        a.is = d.cols as i32;
+        a.has_shared = 1;
+    }
+    a.ksplit = 8;
+    let nsrc = m.topk + a.has_shared as usize;
+    let kmax = (a.kpad_r.max(a.kpad_s)) as usize;
+    let smem = nsrc * (kmax + 8) * 2 + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
+    let name = if fmt == WFormat::Q4 { "moe_down_q4" } else { "moe_down_bf16" };
+    c.k(name).launch(&c.gpu, (hdim.div_ceil(16) as u32, 1, 1), 256, smem as u32, &a)
+}
+
+// ------------------------------------------------------------------------------------------------
+// Prefill GEMMs
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct GemmArgs {
+    pub w: u64,
+    pub sb: u64,
+    pub w2: u64,
+    pub sb2: u64,
+    pub x: u64,
+    pub x_rows: u64,
+    pub out: u64,
+    pub tiles: u64,
+    pub num_tiles: u64,
+    pub m: i32,
+    pub rows_e: i32,
+    pub k: i32,
+    pub kpad: i32,
+    pub ldx: i32,
+    pub ldo: i32,
+    pub t: i32,
+    pub pad: i32,
+}
+
+/// Token-tile width: 32 for sparse groups (fewer than 32 tokens per expert on average: the
+/// tile's unused columns cost mma and staging work), 64 for Q4 (register budget) and for short
+/// or grouped inputs, else 128.
+pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
+    match grouped {
+        Some(avg) if avg < 32 => 32,
+        Some(_) => 64,
+        None if fmt == WFormat::Q4 || t < 128 => 64,
+        None => 128,
+    }
+}
+
+pub fn gemm_smem(fmt: WFormat, bn: usize) -> usize {
+    let a = match fmt {
+        WFormat::Q4 => 128 * 64 + 128 * 8,
+        WFormat::Bf16 => 128 * 136 * 2,
+    };
+    let stages = 2 * (a + bn * 136 * 2 + bn * 8);
+    stages.max(bn * (128 + 4) * 4)
+}
+
+/// Grouped tiles: (tile table, device count, upper bound of tiles, the table's tile width).
+pub struct Grouped {
+    pub tiles: u64,
+    pub num_tiles: u64,
+    pub max_tiles: usize,
+    pub bn: usize,
+}
+
+/// out[n, r] = Σ_k x[rows(n), k] W[r, k] (PAIR: silu(gate) ⊙ up) for many tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    c: &Ctx,
+    w: &GpuLinear,
+    w2: Option<&GpuLinear>,
+    x: u64,
+    ldx: usize,
+    x_rows: u64,
+    t: usize,
+    grouped: Option<Grouped>,
+    out: u64,
+    ldo: usize,
+) -> Result<()> {
+    if w.cols % 4 != 0 || ldx % 4 != 0 {
+        return Err(Error::Op { op: "gemm", msg: format!("K {} and the row stride {ldx} must be multiples of 4", w.cols) });
+    }
+    if let Some(u) = w2 {
+        if u.fmt != w.fmt || u.rows != w.rows || u.kpad != w.kpad || u.rows_pad != w.rows_pad {
+            return Err(Error::Op { op: "gemm pair", msg: "gate and up differ in format or shape".into() });
+        }
+    }
+    let bn = grouped.as_ref().map_or_else(|| gemm_bn(w.fmt, t, None), |g| g.bn);
+    let pair = w2.is_some();
+    let a = GemmArgs {
+        w: w.w_ptr(),
+        sb: w.sb_ptr(),
+        w2: w2.map_or(0, |u| u.w_ptr()),
+        sb2: w2.map_or(0, |u| u.sb_ptr()),
+        x,
+        x_rows,
+        out,
+        tiles: grouped.as_ref().map_or(0, |g| g.tiles),
+        num_tiles: grouped.as_ref().map_or(0, |g| g.num_tiles),
+        m: w.rows as i32,
+        rows_e: w.rows_pad as i32,
+        k: w.cols as i32,
+        kpad: w.kpad as i32,
+        ldx: ldx as i32,
+        ldo: ldo as i32,
+        t: t as i32,
+        pad: 0,
+    };
+    let name = format!(
+        "gemm_{}{}_n{bn}",
+        if w.fmt == WFormat::Q4 { "q4" } else { "bf16" },
+        if pair { "_pair" } else { "" }
+    );
+    let gx = w.rows.div_ceil(if pair { 64 } else { 128 });
+    let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
+    c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, 1), 256, gemm_smem(w.fmt, bn) as u32, &a)
+}
+
+/// x·Wᵀ for any number of tokens: matvec kernels up to 8 tokens, GEMMs beyond.
+pub fn matmul(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ldo: usize) -> Result<()> {
+    if t <= 8 {
+        gemv(c, &[(w, 0)], x, ldx, t, None, out, ldo, false, None)
+    } else {
+        gemm(c, w, None, x, ldx, 0, t, None, out, ldo)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ksplit_choice() {
+        assert_eq!(gemv_ksplit(16), 2 * 2); // K=2048 Q4: four units per warp
+        assert_eq!(gemv_ksplit(32), 8);
+        assert_eq!(gemv_ksplit(4), 1);
+        assert_eq!(gemv_ksplit(1), 1);
+        assert_eq!(gemv_ksplit(64), 8);
+        assert!(gemv_ksplit(8) >= 2);
+    }
+
+    #[test]
+    fn arg_struct_sizes_match_cuda() {
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 248);
+        assert_eq!(std::mem::size_of::<MoeUpArgs>(), 144);
+        assert_eq!(std::mem::size_of::<MoeDownArgs>(), 112);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 104);
+    }
+
+    #[test]
+    fn gemm_variants() {
+        assert_eq!(gemm_bn(WFormat::Q4, 4096, None), 64);
+        assert_eq!(gemm_bn(WFormat::Bf16, 4096, None), 128);
+        assert_eq!(gemm_bn(WFormat::Bf16, 4096, Some(128)), 64);
+        assert_eq!(gemm_bn(WFormat::Q4, 4096, Some(8)), 32);
+        assert!(gemm_smem(WFormat::Bf16, 128) <= 227 * 1024);
+    }
+}

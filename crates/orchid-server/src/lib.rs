@@ -1,0 +1,42 @@
+//! orchid-server: the OpenAI-compatible HTTP surface over an [`EngineHandle`].
+//!
+//! - [`routes`]: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+//!   `GET /health`, `GET /metrics`, and the error fallbacks.
+//! - [`chat`], [`completions`]: the two generation endpoints (streaming and not).
+//! - [`openai`]: request validation and the response objects.
+//! - [`reasoning_parser`], [`tool_parser`], [`tool_schema`], [`chat_output`]: turning the
+//!   model's text into `reasoning_content`, `content` and `tool_calls`, incrementally.
+//! - [`sse`], [`metrics`], [`errors`] (the one place errors become responses), [`server`]
+//!   (listening and clean shutdown).
+//!
+//! The server never sees the backend: it takes an [`EngineHandle`] that owns the model on its
+//! own thread.
+//!
+//! ```ignore
+//! let engine = orchid_engine::engine::spawn::<B, _>(opts, tokenizer.clone(), move || load());
+//! let st = AppState::new(engine, tokenizer, Some(Arc::new(template)), ServerConfig::new("my-model"));
+//! orchid_server::serve(tokio::net::TcpListener::bind("127.0.0.1:8000").await?, st).await?;
+//! ```
+//!
+//! [`EngineHandle`]: orchid_engine::engine::EngineHandle
+
+pub mod body;
+pub mod chat;
+pub mod chat_output;
+pub mod completions;
+pub mod errors;
+pub mod generation;
+pub mod metrics;
+pub mod openai;
+pub mod reasoning_parser;
+pub mod routes;
+pub mod server;
+pub mod sse;
+pub mod state;
+pub mod tool_parser;
+pub mod tool_schema;
+
+pub use errors::ApiError;
+pub use routes::router;
+pub use server::{serve, serve_with_shutdown};
+pub use state::{AppState, ServerConfig};

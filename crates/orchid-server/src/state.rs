@@ -1,0 +1,136 @@
+//! What every handler shares: the engine handle, tokenizer, chat template, configuration,
+//! metrics and the shutdown flag.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use orchid_engine::engine::{EngineHandle, ModelInfo};
+use orchid_engine::request::GenerateRequest;
+use orchid_engine::sampling::SamplingParams;
+use orchid_engine::{ChatTemplate, Tokenizer};
+
+use crate::errors::ApiError;
+use crate::generation::Generation;
+use crate::metrics::Metrics;
+
+/// Server settings (the engine's own live in its `EngineOptions`).
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The id clients use in `model` and `/v1/models` lists.
+    pub model_id: String,
+    /// Where the checkpoint was loaded from (for logs).
+    pub model_path: String,
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// After SIGINT/SIGTERM, how long running requests may finish before they are cancelled.
+    pub shutdown_grace: Duration,
+    /// Sampling for fields a request leaves unset (normally the checkpoint's
+    /// generation_config.json, as vLLM does).
+    pub sampling_defaults: SamplingParams,
+}
+
+impl ServerConfig {
+    pub fn new(model_id: impl Into<String>) -> ServerConfig {
+        ServerConfig {
+            model_id: model_id.into(),
+            model_path: String::new(),
+            max_body_bytes: 8 << 20,
+            shutdown_grace: Duration::from_secs(10),
+            sampling_defaults: SamplingParams::default(),
+        }
+    }
+}
+
+/// Cheap to clone; one per server.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+pub struct Inner {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    /// None when the checkpoint has no chat template (chat requests are then refused).
+    pub template: Option<Arc<ChatTemplate>>,
+    pub config: ServerConfig,
+    pub metrics: Metrics,
+    shutting_down: AtomicBool,
+    /// Unix time the server started (`created` of the model object).
+    pub started: u64,
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+impl AppState {
+    pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>, config: ServerConfig) -> AppState {
+        AppState(Arc::new(Inner {
+            engine,
+            tokenizer,
+            template,
+            config,
+            metrics: Metrics::default(),
+            shutting_down: AtomicBool::new(false),
+            started: crate::openai::unix_now(),
+        }))
+    }
+
+    /// New requests are refused from now on (503).
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// 404 unless `model` (when given) is the served one.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.config.model_id => Err(ApiError::unknown_model(m, &self.config.model_id)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The loaded model's facts, or 503 while loading / shutting down.
+    pub fn ready(&self) -> Result<ModelInfo, ApiError> {
+        if self.is_shutting_down() {
+            return Err(ApiError::unavailable("The server is shutting down."));
+        }
+        self.engine
+            .info()
+            .ok_or_else(|| ApiError::unavailable("The model is still loading."))
+    }
+
+    /// Queues a generation; `arrived` is when the HTTP request came in (for latency metrics).
+    pub fn submit(&self, req: GenerateRequest, arrived: Instant) -> Result<Generation, ApiError> {
+        if self.is_shutting_down() {
+            return Err(ApiError::unavailable("The server is shutting down."));
+        }
+        let prompt_tokens = req.prompt.len();
+        let rx = self.engine.submit(req)?;
+        Ok(Generation::new(rx, self.clone(), arrived, prompt_tokens))
+    }
+
+    /// The error for a generation the engine ended with `Event::Error`.
+    pub fn engine_error(&self, message: &str) -> ApiError {
+        if self.is_shutting_down() {
+            ApiError::unavailable(format!("The server is shutting down: {message}"))
+        } else {
+            ApiError::internal(message)
+        }
+    }
+
+    /// Runs CPU-bound request preparation (template rendering, tokenizing) off the async
+    /// workers; a panic there becomes a 500.
+    pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+        match tokio::task::spawn_blocking(f).await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => Err(ApiError::from_panic(e.into_panic().as_ref())),
+            Err(e) => Err(ApiError::internal(format!("request preparation failed: {e}"))),
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! `orchid serve`: the OpenAI-compatible HTTP server (see `docs/server.md`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use orchid_engine::ChatTemplate;
+use orchid_engine::engine::EngineOptions;
+use orchid_server::{AppState, ServerConfig};
+
+use super::common::{Device, model_dir, start_engine};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Checkpoint folder (default: the bundled model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the log says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model id clients send and /v1/models lists (default: the checkpoint folder's name).
+    #[arg(long, alias = "served-model-name")]
+    model_id: Option<String>,
+    /// Longest prompt + output of one request, in tokens (capped by the model's own limit).
+    #[arg(long, default_value_t = 32768)]
+    max_context: usize,
+    /// Sequences generated concurrently.
+    #[arg(long, default_value_t = 16)]
+    max_seqs: usize,
+    /// Requests that may wait for a free sequence; beyond that, 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Prompt tokens run per forward call for one sequence.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Largest request body, in bytes (413 above).
+    #[arg(long, default_value_t = 8 << 20)]
+    max_body_bytes: usize,
+    /// After SIGINT/SIGTERM, seconds running requests may take to finish before they are cancelled.
+    #[arg(long, default_value_t = 10.0)]
+    shutdown_timeout: f64,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let dir = model_dir(a.model.as_deref())?;
+    let dir = dir.canonicalize().unwrap_or(dir);
+    let model_id = match a.model_id.clone() {
+        Some(id) => id,
+        None => dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "orchid".into()),
+    };
+    let template = match ChatTemplate::from_dir(&dir) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            tracing::warn!("no usable chat template ({e}); /v1/chat/completions will refuse requests");
+            None
+        }
+    };
+    let opts = EngineOptions {
+        max_seqs: a.max_seqs.max(1),
+        max_context: a.max_context.max(2),
+        prefill_chunk: a.prefill_chunk.max(1),
+        max_queue: a.max_queue,
+    };
+    let loaded = start_engine(&dir, a.device, opts)?;
+    let mut cfg = ServerConfig::new(model_id);
+    cfg.model_path = dir.display().to_string();
+    cfg.max_body_bytes = a.max_body_bytes;
+    cfg.shutdown_grace = Duration::from_secs_f64(a.shutdown_timeout.max(0.0));
+    cfg.sampling_defaults = orchid_engine::defaults::sampling_defaults(&dir);
+    let st = AppState::new(loaded.engine, loaded.tokenizer, template, cfg);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("orchid-http")
+        .build()?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", a.host, a.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        orchid_server::serve(listener, st).await
+    })
+}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds, on this machine, everything the GPU machine runs (it has no Rust toolchain): the
+# release binary and the release test executables of orchid-cuda, stripped, in dist/
+# (git-ignored; pass `carry: ["dist"]` to the device call). Also checks that every kernel
+# compiles with NVRTC for sm_90a when a local NVRTC is available (pip wheels, see docs/cuda.md).
+#
+#   scripts/gpu-build.sh            # -> dist/orchid, dist/tests/*, dist/BUILD
+set -euo pipefail
+cd "$(dirname "$0")/.."
+commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates scripts || echo +dirty)"
+export ORCHID_GIT_COMMIT="$commit"
+cargo build --release -p orchid
+rm -rf dist && mkdir -p dist/tests
+strip -o dist/orchid target/release/orchid
+cargo test --release -p orchid-cuda --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys, shutil, os, subprocess
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        exe = m["executable"]
+        name = m["target"]["name"] if m["target"]["kind"] != ["lib"] else "unit"
+        subprocess.run(["strip", "-o", "dist/tests/" + name, exe], check=True)
+        print("test executable:", name)
+'
+{
+  echo "commit $commit"
+  echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(rustc --version)"
+} > dist/BUILD
+# Local NVRTC compile check of every kernel (skipped when no NVRTC is found).
+NV="${ORCHID_PIP_CUDA:-/work/cudavenv/lib/python3.11/site-packages/nvidia/cu13}"
+if [ -d "$NV/lib" ]; then
+  LD_LIBRARY_PATH="$NV/lib:${LD_LIBRARY_PATH:-}" ORCHID_CUDA_INCLUDE="$NV/include:$NV/include/cccl" \
+    dist/tests/nvrtc_compile --nocapture 2>&1 | grep -E "NVRTC|\.cu:|test result" || true
+fi
+du -sh dist

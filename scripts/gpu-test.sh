@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (after scripts/gpu-build.sh here): every GPU test executable in
+# dist/tests (per-kernel parity, whole-model parity, NVRTC compile), then an end-to-end check
+# through real checkpoints (`orchid synth` tiny configs in HF and MLX layouts, CUDA vs CPU
+# teacher-forced), and prints a pass/fail summary. Logs go to $ORCHID_LOG_DIR (default /tmp/orchid-gpu-test).
+#
+#   scripts/gpu-test.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export ORCHID_KERNEL_CACHE="${ORCHID_KERNEL_CACHE:-/tmp/orchid-kernels}"
+LOG="${ORCHID_LOG_DIR:-/tmp/orchid-gpu-test}"
+mkdir -p "$LOG"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$LOG/gpu.txt"
+fail=0
+for t in unit nvrtc_compile gpu_ops gpu_model; do
+  [ -x "dist/tests/$t" ] || { echo "missing dist/tests/$t"; fail=1; continue; }
+  start=$(date +%s)
+  ORCHID_SYNC_CHECK=$([ $t = gpu_ops ] && echo 1 || echo 0) "dist/tests/$t" --test-threads=1 --nocapture > "$LOG/test-$t.log" 2>&1
+  rc=$?
+  echo "TEST $t: exit $rc in $(( $(date +%s) - start ))s"
+  [ $rc -eq 0 ] || fail=1
+done
+# End to end through files: tiny configs in both layouts.
+for preset in tiny-test tiny-next-test; do
+  for fmt in hf mlx4; do
+    d="/tmp/orchid-e2e-$preset-$fmt"
+    dist/orchid synth --preset "$preset" --format "$fmt" --out "$d" --seed 5 > /dev/null 2>&1
+    if dist/orchid bench --model "$d" --check-cpu 96 --no-speed --json > "$LOG/e2e-$preset-$fmt.json" 2> "$LOG/e2e-$preset-$fmt.err"; then
+      python3 - "$LOG/e2e-$preset-$fmt.json" "$preset $fmt" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["check_cpu"]
+ok = c["pass"]
+print(f'PARITY {"PASS" if ok else "FAIL"} e2e {sys.argv[2]}: rel_l2 {c["rel_l2"]:.3e} (tol {c["tolerance"]:.2e} = max(3 x bf16 sensitivity {c["bf16_sensitivity"]:.2e}, 1e-2)), top-1 {c["top1_agree_above_tolerance"]}/{c["positions_above_tolerance"]} above margin {c["margin_tolerance"]:.3g}, all {c["top1_agree_all"]}/{c["positions"]} (bf16 CPU: {c["bf16_cpu_top1_agree_all"]})')
+PY
+    else
+      echo "PARITY FAIL e2e $preset $fmt: $(tail -1 "$LOG/e2e-$preset-$fmt.err")"
+    fi
+  done
+done | tee "$LOG/e2e.txt"
+cat "$LOG"/test-*.log "$LOG/e2e.txt" | grep -h "^PARITY" > "$LOG/parity.txt"
+pass=$(grep -c "^PARITY PASS" "$LOG/parity.txt")
+failn=$(grep -c "^PARITY FAIL" "$LOG/parity.txt")
+echo "== parity checks: $pass passed, $failn failed"
+grep "^PARITY FAIL" "$LOG/parity.txt" | head -40
+grep -h -E "panicked|error:" "$LOG"/test-*.log | head -20
+[ "$failn" -eq 0 ] && [ $fail -eq 0 ] && echo "== ALL GPU TESTS PASSED" || { echo "== GPU TESTS FAILED"; exit 1; }
