@@ -334,31 +334,33 @@ DEVI void attn_decode_body(const AttnArgs& a) {
 }
 
 // Merges the decode partials of all splits, normalises, applies the output gate.
-// grid = Hq, block = 128. out [Hq*D] f32 (one token); gate: q_gate row (head h at h*2D + D).
-extern "C" __global__ void __launch_bounds__(128) attn_combine(const AttnArgs a, int D) {
+// grid = Hq, block = 256. out [Hq*D] f32 (one token); gate: q_gate row (head h at h*2D + D).
+extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a, int D) {
+    __shared__ float wts[256];
+    __shared__ float red[32];
     const int h = blockIdx.x, G = a.G, kvh = h / G, hg = h % G, z = hg / 16, row = hg % 16;
     const int nz = (G + 15) / 16;
     const float* ml = (const float*)a.part_ml;
-    float M = NEG_INF;
-    for (int s = 0; s < a.nsplit; ++s) {
-        i64 pidx = ((i64)kvh * nz + z) * a.nsplit + s;
-        M = fmaxf(M, ml[(pidx * 16 + row) * 2]);
-    }
-    float L = 0.f;
-    for (int s = 0; s < a.nsplit; ++s) {
-        i64 pidx = ((i64)kvh * nz + z) * a.nsplit + s;
-        float mm = ml[(pidx * 16 + row) * 2];
-        L += mm == NEG_INF ? 0.f : ml[(pidx * 16 + row) * 2 + 1] * exp2f(mm - M);
-    }
+    const i64 base = ((i64)kvh * nz + z) * a.nsplit;
+    const int s = threadIdx.x;
+    float m = s < a.nsplit ? ml[((base + s) * 16 + row) * 2] : NEG_INF;
+    float l = s < a.nsplit ? ml[((base + s) * 16 + row) * 2 + 1] : 0.f;
+    const float M = block_max(m, red);
+    const float w = m == NEG_INF ? 0.f : exp2f(m - M);
+    const float L = block_sum(w * l, red);
+    if (s < 256) wts[s] = w;
+    __syncthreads();
     const float inv = L > 0.f ? 1.f / L : 0.f;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < a.nsplit; ++s) {
-            i64 pidx = ((i64)kvh * nz + z) * a.nsplit + s;
-            float mm = ml[(pidx * 16 + row) * 2];
-            if (mm != NEG_INF) acc += ((const float*)a.part_o)[(pidx * 16 + row) * D + d] * exp2f(mm - M);
+        float acc0 = 0.f, acc1 = 0.f;
+        int sp = 0;
+        for (; sp + 1 < a.nsplit; sp += 2) {
+            float w0 = wts[sp], w1 = wts[sp + 1];
+            if (w0 != 0.f) acc0 += w0 * ((const float*)a.part_o)[((base + sp) * 16 + row) * D + d];
+            if (w1 != 0.f) acc1 += w1 * ((const float*)a.part_o)[((base + sp + 1) * 16 + row) * D + d];
         }
-        float v = acc * inv;
+        if (sp < a.nsplit && wts[sp] != 0.f) acc0 += wts[sp] * ((const float*)a.part_o)[((base + sp) * 16 + row) * D + d];
+        float v = (acc0 + acc1) * inv;
         if (a.gate) v *= sigmoidf_(((const float*)a.gate)[h * 2 * D + D + d]);
         ((float*)a.out)[h * D + d] = v;
     }

@@ -112,6 +112,31 @@ DEVI uint2 ldg_nc2(const uint2* p) {
     return r;
 }
 
+// Programmatic dependent launch (Hopper and newer). Inside the decode graph every kernel after
+// the first is launched with the PDL attribute, so it may start while its predecessor still runs.
+// Before pdl_wait() a kernel may only read data that no kernel of the step writes (weights,
+// kernel parameters) and must write nothing; pdl_wait() returns once the predecessor grid has
+// completed and its writes are visible. pdl_launch() (called right after the wait, so at most two
+// grids are ever resident) lets the successor's blocks start their own prologue. Both are no-ops
+// for a normal launch.
+DEVI void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+DEVI void pdl_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+DEVI void pdl_enter() {
+    pdl_wait();
+    pdl_launch();
+}
+
+// 16-byte load through L2 only (activations another kernel just wrote).
+DEVI float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+
 // Order-preserving key of a float (larger float -> larger key).
 DEVI u32 float_key(float f) {
     u32 u = __float_as_uint(f);

@@ -333,6 +333,18 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_decode(const GdnDe
     const float* st_in = (const float*)a.conv_state + (i64)(pos & 1) * (KC - 1) * C;
     float* st_out = (float*)a.conv_state + (i64)((pos + 1) & 1) * (KC - 1) * C;
     const float* x = (const float*)a.qkv;
+    // The state (the kernel's main traffic) is requested first, so that its loads overlap the
+    // conv and norm phase. Thread (column c, row group rg) holds rows rg, rg + RG, ...
+    const int RG = GDN_THREADS / dv;
+    const int c = tid % dv, rg = tid / dv;
+    const bool act = rg < RG;
+    float* S = (float*)a.state + (i64)j * dk * dv;
+    float s[GDN_MAXR];
+#pragma unroll
+    for (int m = 0; m < GDN_MAXR; ++m) {
+        int i = rg + m * RG;
+        s[m] = (act && i < dk) ? S[(i64)i * dv + c] : 0.f;
+    }
     // Conv of q (dk), k (dk), v (dv) channels of this head -> vals.
     const int nch = 2 * dk + dv;
     for (int i = tid; i < nch; i += GDN_THREADS) {
@@ -364,19 +376,12 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_decode(const GdnDe
     const float g = -expf(((const float*)a.a_log)[j]) * softplusf_(((const float*)a.a)[j] + ((const float*)a.dt_bias)[j]);
     const float alpha = expf(g);
     __syncthreads();
-    // Thread (column c, row group rg) holds rows rg, rg + RG, ...
-    const int RG = GDN_THREADS / dv;
-    const int c = tid % dv, rg = tid / dv;
-    const bool act = rg < RG;
-    float* S = (float*)a.state + (i64)j * dk * dv;
-    float s[GDN_MAXR];
     float mem = 0.f;
 #pragma unroll
     for (int m = 0; m < GDN_MAXR; ++m) {
         int i = rg + m * RG;
-        s[m] = 0.f;
         if (act && i < dk) {
-            s[m] = S[(i64)i * dv + c] * alpha;
+            s[m] *= alpha;
             mem += k[i] * s[m];
         }
     }

@@ -27,8 +27,59 @@ struct GemvArgs {
 
 // Stages x rows (f32, optionally normalised) into shared memory as bf16 [T][kpad + 8] and writes
 // per-group sums of the rounded values into xsum [T][kpad / 64]. Zero beyond K.
-DEVI void stage_x(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
-                  u32* xs32, float* xsum, float* red) {
+//
+// Fast path (kpad ≤ 4 · NV · blockDim, 16-byte aligned rows): every thread issues all its 16-byte
+// loads of a row (x and the norm weights) at once, so staging costs one round trip to L2 plus one
+// block reduction for the norm; a 64-group is 16 consecutive float4 = 16 lanes, summed by shuffles.
+template <int NV>
+DEVI void stage_x_vec(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
+                      u32* xs32, float* xsum, float* red) {
+    const int nvec = kpad >> 2, groups = kpad / 64, stride32 = (kpad + 8) / 2, nt = blockDim.x;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int t = 0; t < T; ++t) {
+        const float* xr = x + (i64)t * ldx;
+        float4 v[NV], w[NV];
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int c = threadIdx.x + i * nt, k = 4 * c;
+            const bool ok = c < nvec && k < K;
+            v[i] = ok ? ldcg4(xr + k) : zero;
+            w[i] = (ok && norm_w) ? __ldg(reinterpret_cast<const float4*>(norm_w + k)) : zero;
+        }
+        float inv = 1.f;
+        if (norm_w) {
+            float ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+            ss = block_sum(ss, red);
+            inv = 1.f / sqrtf(ss / K + eps);
+        }
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int c = threadIdx.x + i * nt;
+            if (c < nvec) {  // warp-uniform: nvec is a multiple of 32
+                float4 a = v[i];
+                if (norm_w) {
+                    a.x = a.x * inv * w[i].x; a.y = a.y * inv * w[i].y;
+                    a.z = a.z * inv * w[i].z; a.w = a.w * inv * w[i].w;
+                }
+                const u32 p0 = pack_bf16(a.x, a.y), p1 = pack_bf16(a.z, a.w);
+                *reinterpret_cast<uint2*>(xs32 + t * stride32 + 2 * c) = make_uint2(p0, p1);
+                float s = bf16_lo(p0) + bf16_hi(p0) + bf16_lo(p1) + bf16_hi(p1);
+                s += __shfl_xor_sync(0xffffffffu, s, 8);
+                s += __shfl_xor_sync(0xffffffffu, s, 4);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                if ((threadIdx.x & 15) == 0) xsum[t * groups + (c >> 4)] = s;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// General path (any K, stride or alignment): scalar loads.
+DEVI void stage_x_scalar(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
+                         u32* xs32, float* xsum, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int groups = kpad / 64, stride32 = (kpad + 8) / 2;
     for (int t = 0; t < T; ++t) {
@@ -54,6 +105,14 @@ DEVI void stage_x(const float* __restrict__ x, int ldx, int T, int K, int kpad, 
         }
     }
     __syncthreads();
+}
+
+DEVI void stage_x(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
+                  u32* xs32, float* xsum, float* red) {
+    const bool vec = (K & 3) == 0 && (T == 1 || (ldx & 3) == 0) && ((u64)x & 15) == 0 && ((u64)norm_w & 15) == 0;
+    if (vec && kpad <= 8 * (int)blockDim.x) stage_x_vec<2>(x, ldx, T, K, kpad, norm_w, eps, xs32, xsum, red);
+    else if (vec && kpad <= 16 * (int)blockDim.x) stage_x_vec<4>(x, ldx, T, K, kpad, norm_w, eps, xs32, xsum, red);
+    else stage_x_scalar(x, ldx, T, K, kpad, norm_w, eps, xs32, xsum, red);
 }
 
 // One Q4 unit (128 k = two groups) of a 16-row tile. A0/A1: the lane's 16 bytes of rows g and g+8;
@@ -267,6 +326,7 @@ DEVI void gemv_body(const GemvArgs& a) {
     TileRef tr = tile_ref<FMT>(S.w, S.sb, row0 + g, kpad);
     Batch first;
     if (active) load_batch<FMT>(first, tr, lo + ks, a.ksplit, nunits);
+    pdl_enter();  // weights only above: x is the previous kernel's output
     stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, xs32, xsum, sred);
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
     if (active) {
@@ -318,8 +378,9 @@ DEVI void gemv_body(const GemvArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemv_q4(const GemvArgs a) { gemv_body<FMT_Q4>(a); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16(const GemvArgs a) { gemv_body<FMT_BF16>(a); }
+// Two blocks per SM guaranteed (≤ 128 registers): the launch shape is chosen for one wave.
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4(const GemvArgs a) { gemv_body<FMT_Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16(const GemvArgs a) { gemv_body<FMT_BF16>(a); }
 
 // ---------------------------------------------------------------------------------------------
 // Decode MoE, batch 1. Sources: the top-k routed experts (ids[0..topk)) and, if present, the
@@ -355,13 +416,18 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
     const int nunits = FMT == FMT_Q4 ? kpad / 128 : kpad / 32;
     TileRef tg, tu;
     Batch bg, bu;
-    if (active) {
+    auto first_loads = [&]() {
         i64 base = shared ? 0 : (i64)((const int*)a.ids)[src] * a.rows_e;
         tg = shared ? tile_ref<FMT>(a.sh_gate_w, a.sh_gate_sb, row0 + g, kpad) : tile_ref<FMT>(a.gate_w, a.gate_sb, base + row0 + g, kpad);
         tu = shared ? tile_ref<FMT>(a.sh_up_w, a.sh_up_sb, row0 + g, kpad) : tile_ref<FMT>(a.up_w, a.up_sb, base + row0 + g, kpad);
         load_batch<FMT>(bg, tg, ks, a.ksplit, nunits);
         load_batch<FMT>(bu, tu, ks, a.ksplit, nunits);
-    }
+    };
+    // The shared expert's weights are requested before the wait for the router (the previous
+    // kernel); the routed experts' ids are its output.
+    if (active && shared) first_loads();
+    pdl_enter();
+    if (active && !shared) first_loads();
     stage_x((const float*)a.x, 0, 1, a.K, kpad, (const float*)a.norm_w, a.eps, xs32, xsum, sred);
     float tot[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (active) {
@@ -385,8 +451,8 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_up_q4(const MoeUpArgs a) { moe_up_body<FMT_Q4>(a); }
-extern "C" __global__ void __launch_bounds__(256) moe_up_bf16(const MoeUpArgs a) { moe_up_body<FMT_BF16>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_up_q4(const MoeUpArgs a) { moe_up_body<FMT_Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_up_bf16(const MoeUpArgs a) { moe_up_body<FMT_BF16>(a); }
 
 struct MoeDownArgs {
     u64 down_w, down_sb, sh_down_w, sh_down_sb;
@@ -448,18 +514,51 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
         }
     };
     Batch first;
+    // ids and route_w come from the router, two kernels back: complete before the previous kernel
+    // (moe_up) passed its own wait and released this one (see pdl_wait in common.cuh).
     if (active) load(first, ks);
+    pdl_enter();
     // Stage the expert activations (bf16) and their group sums while the weights arrive.
-    for (int item = warp; item < nsrc * groups; item += 8) {
-        int src = item / groups, grp = item % groups;
-        int K = src < a.topk ? a.I : a.Is;
-        const float* hr = (const float*)a.h + (i64)src * a.hstride;
-        int k = grp * 64 + 2 * lane;
-        float v0 = k < K ? hr[k] : 0.f, v1 = k + 1 < K ? hr[k + 1] : 0.f;
-        u32 p = pack_bf16(v0, v1);
-        xs32[src * stride32 + k / 2] = p;
-        float sm = warp_sum(bf16_lo(p) + bf16_hi(p));
-        if (lane == 0) xsum[src * groups + grp] = sm;
+    const int cpr = kmax >> 2, total_c = nsrc * cpr;  // float4 chunks (cpr is a multiple of 32)
+    if ((a.hstride & 3) == 0 && (a.I & 3) == 0 && (a.Is & 3) == 0 && ((u64)a.h & 15) == 0) {
+        constexpr int VPT = 5;  // 9 sources x 512 = 1152 chunks: one round of loads with 256 threads
+        for (int q0 = 0; q0 < total_c; q0 += VPT * (int)blockDim.x) {
+            float4 v[VPT];
+#pragma unroll
+            for (int i = 0; i < VPT; ++i) {
+                const int q = q0 + threadIdx.x + i * blockDim.x;
+                const int src = q / cpr, c = q - src * cpr, k = 4 * c;
+                const int K = src < a.topk ? a.I : a.Is;
+                v[i] = (q < total_c && k < K) ? ldcg4((const float*)a.h + (i64)src * a.hstride + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int i = 0; i < VPT; ++i) {
+                const int q = q0 + threadIdx.x + i * blockDim.x;
+                if (q < total_c) {  // warp-uniform: total_c is a multiple of 32
+                    const int src = q / cpr, c = q - src * cpr;
+                    const u32 p0 = pack_bf16(v[i].x, v[i].y), p1 = pack_bf16(v[i].z, v[i].w);
+                    *reinterpret_cast<uint2*>(xs32 + src * stride32 + 2 * c) = make_uint2(p0, p1);
+                    float sm = bf16_lo(p0) + bf16_hi(p0) + bf16_lo(p1) + bf16_hi(p1);
+                    sm += __shfl_xor_sync(0xffffffffu, sm, 8);
+                    sm += __shfl_xor_sync(0xffffffffu, sm, 4);
+                    sm += __shfl_xor_sync(0xffffffffu, sm, 2);
+                    sm += __shfl_xor_sync(0xffffffffu, sm, 1);
+                    if ((threadIdx.x & 15) == 0) xsum[src * groups + (c >> 4)] = sm;
+                }
+            }
+        }
+    } else {
+        for (int item = warp; item < nsrc * groups; item += 8) {
+            int src = item / groups, grp = item % groups;
+            int K = src < a.topk ? a.I : a.Is;
+            const float* hr = (const float*)a.h + (i64)src * a.hstride;
+            int k = grp * 64 + 2 * lane;
+            float v0 = k < K ? hr[k] : 0.f, v1 = k + 1 < K ? hr[k + 1] : 0.f;
+            u32 p = pack_bf16(v0, v1);
+            xs32[src * stride32 + k / 2] = p;
+            float sm = warp_sum(bf16_lo(p) + bf16_hi(p));
+            if (lane == 0) xsum[src * groups + grp] = sm;
+        }
     }
     __syncthreads();
     if (active) {
@@ -480,5 +579,5 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_down_q4(const MoeDownArgs a) { moe_down_body<FMT_Q4>(a); }
-extern "C" __global__ void __launch_bounds__(256) moe_down_bf16(const MoeDownArgs a) { moe_down_body<FMT_BF16>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_down_q4(const MoeDownArgs a) { moe_down_body<FMT_Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_down_bf16(const MoeDownArgs a) { moe_down_body<FMT_BF16>(a); }

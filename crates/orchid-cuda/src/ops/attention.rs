@@ -62,6 +62,9 @@ pub struct AttnArgs {
 
 pub const SUPPORTED_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
 
+/// Most splits of a decode attention (the combine kernel merges one split per thread).
+pub const MAX_SPLITS: usize = 64;
+
 /// Key-tile lengths (prefill, decode) per head dim; the KV block size must be a multiple.
 pub fn tiles_for(d: usize) -> (usize, usize) {
     match d {
@@ -86,7 +89,7 @@ pub fn decode_smem(d: usize) -> usize {
 /// Decode splits for a context of `n` keys: enough blocks to fill the GPU, at least 256 keys each.
 pub fn decode_splits(n: usize, hkv: usize, sms: usize) -> usize {
     let want = (2 * sms).div_ceil(hkv.max(1));
-    want.min(n.div_ceil(256)).clamp(1, 64)
+    want.min(n.div_ceil(256)).clamp(1, MAX_SPLITS)
 }
 
 pub fn check_head_dim(d: usize) -> Result<()> {
@@ -113,7 +116,7 @@ pub fn decode(c: &Ctx, a: &AttnArgs, d: usize) -> Result<()> {
     let nz = (a.g as usize).div_ceil(16);
     c.k(&name).launch(&c.gpu, (a.hkv as u32, a.nsplit as u32, nz as u32), 128, decode_smem(d) as u32, a)?;
     let d32 = d as i32;
-    c.k("attn_combine").launch_raw(&c.gpu, (a.hq as u32, 1, 1), 128, 0, super::params!(*a, d32))
+    c.k("attn_combine").launch_raw(&c.gpu, (a.hq as u32, 1, 1), 256, 0, super::params!(*a, d32))
 }
 
 #[cfg(test)]

@@ -184,6 +184,18 @@ pub fn gemv_ksplit(nunits: usize) -> usize {
     ks
 }
 
+/// Warps per tile for a matvec of `tiles` 16-row tiles: the most that still fit every block in
+/// one wave of `capacity` resident blocks (so no block waits for a second wave and x is staged
+/// once per block), at most 8 units per warp (two load batches); else about four units per warp.
+pub fn gemv_launch_ksplit(nunits: usize, tiles: usize, capacity: usize) -> usize {
+    for ks in [8usize, 4, 2, 1] {
+        if nunits / ks >= 1 && nunits.div_ceil(ks) <= 8 && tiles.div_ceil(8 / ks) <= capacity {
+            return ks;
+        }
+    }
+    gemv_ksplit(nunits)
+}
+
 pub fn units_of(fmt: WFormat, kpad: usize) -> usize {
     match fmt {
         WFormat::Q4 => kpad / 128,
@@ -267,7 +279,7 @@ pub fn gemv(
     if a.route_counter != 0 && a.partial != 0 {
         kparts = ROUTER_KPARTS.min(units / 2).max(1);
     }
-    let ks = if kparts > 1 { 8 } else { gemv_ksplit(units) };
+    let ks = if kparts > 1 { 8 } else { gemv_launch_ksplit(units, total_tiles, 2 * c.gpu.sms as usize) };
     a.ksplit = ks as i32;
     a.kparts = kparts as i32;
     let tpb = 8 / ks;
@@ -553,6 +565,16 @@ mod tests {
         assert_eq!(std::mem::size_of::<MoeUpArgs>(), 144);
         assert_eq!(std::mem::size_of::<MoeDownArgs>(), 112);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 104);
+    }
+
+    #[test]
+    fn one_wave_matvecs() {
+        // qkv|z|b|a of the 35B (772 tiles, K = 2048): 2 warps per tile, 193 blocks.
+        assert_eq!(gemv_launch_ksplit(16, 772, 264), 2);
+        // out_proj (128 tiles, K = 4096): 8 warps per tile, 128 blocks.
+        assert_eq!(gemv_launch_ksplit(32, 128, 264), 8);
+        // lm_head does not fit one wave: about four units per warp.
+        assert_eq!(gemv_launch_ksplit(16, 15520, 264), 4);
     }
 
     #[test]
