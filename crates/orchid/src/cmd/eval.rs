@@ -8,7 +8,7 @@ use orchid_model::safetensors::{OutTensor, SafetensorsFile};
 use orchid_model::{Backend, BatchLayout, LogitRows, Model, StateOptions, StatePool};
 use serde_json::json;
 
-use super::common::{Device, load_cpu, model_dir, resolve_device};
+use super::common::{Device, load_cpu, load_cuda, model_dir, resolve_device};
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -84,7 +84,7 @@ fn nll_and_argmax(logits: &[f32], ids: &[u32], v: usize, window: usize) -> (f64,
 
 pub fn run(a: EvalArgs) -> Result<()> {
     let dir = model_dir(a.model.as_deref())?;
-    let _device = resolve_device(a.device)?;
+    let device = resolve_device(a.device)?;
     let mut ids = match (&a.tokens, &a.text) {
         (Some(p), _) => read_tokens(p)?,
         (None, Some(p)) => {
@@ -100,18 +100,25 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if ids.len() < 2 {
         bail!("need at least 2 tokens to evaluate, got {}", ids.len());
     }
-    let m = load_cpu(&dir)?;
+    match device {
+        Device::Cuda => evaluate(&load_cuda(&dir)?, &a, &ids),
+        Device::Cpu | Device::Auto => evaluate(&load_cpu(&dir)?, &a, &ids),
+    }
+}
+
+fn evaluate<B: Backend>(m: &Model<B>, a: &EvalArgs, ids: &[u32]) -> Result<()> {
     let v = m.config.vocab_size;
     let window = a.window.unwrap_or(ids.len());
     let t0 = std::time::Instant::now();
-    let logits = teacher_forced(&m, &ids, a.chunk, window)?;
+    let logits = teacher_forced(m, ids, a.chunk, window)?;
     let secs = t0.elapsed().as_secs_f64();
-    let (nll, n, arg) = nll_and_argmax(&logits, &ids, v, window);
+    let (nll, n, arg) = nll_and_argmax(&logits, ids, v, window);
     let mut report = json!({
         "tokens": ids.len(),
         "scored": n,
         "nll": nll,
         "ppl": nll.exp(),
+        "device": m.backend.describe(),
         "seconds": secs,
         "tokens_per_second": ids.len() as f64 / secs,
     });
@@ -126,7 +133,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             bail!("{}: logits have shape {:?}, expected [{}, {v}]", r.display(), t.shape, ids.len());
         }
         let refl = t.to_f32()?;
-        let (ref_nll, _, ref_arg) = nll_and_argmax(&refl, &ids, v, window);
+        let (ref_nll, _, ref_arg) = nll_and_argmax(&refl, ids, v, window);
         let agree = arg.iter().zip(&ref_arg).filter(|(a, b)| a == b).count();
         let (mut max_err, mut sum_err, mut num, mut den) = (0f64, 0f64, 0f64, 0f64);
         for (x, y) in logits.iter().zip(&refl) {
