@@ -19,8 +19,9 @@ use crate::safetensors::TensorView;
 pub struct HostWeights {
     /// [vocab, hidden]
     pub embed: LinearWeight,
-    /// [vocab, hidden]
+    /// [vocab, hidden] (the embedding table itself when tied)
     pub lm_head: LinearWeight,
+    pub tied: bool,
     pub final_norm: Vec<f32>,
     pub layers: Vec<HostLayer>,
 }
@@ -163,14 +164,11 @@ impl Loader<'_> {
         let h = c.hidden_size;
         let base = self.naming.base;
         let embed = self.linear(&format!("{base}embed_tokens"), c.vocab_size, h)?;
-        let lm_head = if self.ck.contains(&format!("{}.weight", self.naming.lm_head)) || !c.tie_word_embeddings {
-            self.linear(self.naming.lm_head, c.vocab_size, h)?
-        } else {
-            embed.clone()
-        };
+        let tied = c.tie_word_embeddings && !self.ck.contains(&format!("{}.weight", self.naming.lm_head));
+        let lm_head = if tied { embed.clone() } else { self.linear(self.naming.lm_head, c.vocab_size, h)? };
         let final_norm = self.norm(&format!("{base}norm.weight"), h, true)?;
         let layers = (0..c.num_layers()).map(|i| self.layer(i)).collect::<Result<Vec<_>>>()?;
-        Ok(HostWeights { embed, lm_head, final_norm, layers })
+        Ok(HostWeights { embed, lm_head, tied, final_norm, layers })
     }
 
     fn layer(&self, i: usize) -> Result<HostLayer> {
@@ -404,7 +402,7 @@ impl HostWeights {
     /// Bytes of weights (for the startup log and memory accounting).
     pub fn nbytes(&self) -> usize {
         let mlp = |m: &HostMlp| m.gate_proj.nbytes() + m.up_proj.nbytes() + m.down_proj.nbytes();
-        let mut n = self.embed.nbytes() + self.lm_head.nbytes();
+        let mut n = self.embed.nbytes() + if self.tied { 0 } else { self.lm_head.nbytes() };
         for l in &self.layers {
             n += match &l.mixer {
                 HostMixer::Attention(a) => a.q_proj.nbytes() + a.k_proj.nbytes() + a.v_proj.nbytes() + a.o_proj.nbytes(),

@@ -42,35 +42,30 @@ pub fn default_model_dir() -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.join("config.json").is_file())
 }
 
-/// Loads `dir` onto the first GPU (weights stay 4-bit in device memory).
-pub fn load_cuda(dir: &Path) -> Result<Model<orchid_cuda::CudaBackend>> {
+/// Loads `dir` onto `backend`, logging what was loaded and how long it took.
+fn load_on<B: orchid_model::Backend>(dir: &Path, backend: B) -> Result<Model<B>> {
     let t = std::time::Instant::now();
-    let backend = orchid_cuda::CudaBackend::new(0)?;
     let m = orchid_model::load_model(dir, backend)?;
-    m.backend.gpu().synchronize()?;
     tracing::info!(
         "loaded {} ({} layers, {:.1} MB of weights) on {} in {:.2}s",
         dir.display(),
         m.config.num_layers(),
         m.weight_bytes as f64 / 1e6,
-        orchid_model::Backend::describe(&m.backend),
+        m.backend.describe(),
         t.elapsed().as_secs_f64()
     );
     Ok(m)
 }
 
-pub fn load_cpu(dir: &Path) -> Result<Model<CpuBackend>> {
-    let t = std::time::Instant::now();
-    let m = orchid_model::load_model(dir, CpuBackend::new())?;
-    tracing::info!(
-        "loaded {} ({} layers, {:.1} MB of weights) on {} in {:.2}s",
-        dir.display(),
-        m.config.num_layers(),
-        m.weight_bytes as f64 / 1e6,
-        orchid_model::Backend::describe(&m.backend),
-        t.elapsed().as_secs_f64()
-    );
+/// Loads `dir` onto the first GPU (weights stay 4-bit in device memory).
+pub fn load_cuda(dir: &Path) -> Result<Model<orchid_cuda::CudaBackend>> {
+    let m = load_on(dir, orchid_cuda::CudaBackend::new(0)?)?;
+    m.backend.gpu().synchronize()?;
     Ok(m)
+}
+
+pub fn load_cpu(dir: &Path) -> Result<Model<CpuBackend>> {
+    load_on(dir, CpuBackend::new())
 }
 
 /// Resolves `auto` (CUDA when a usable GPU, driver and NVRTC are present, else the CPU) and
