@@ -3,7 +3,9 @@
 # in /dev/shm (unless present), checks CUDA against the CPU teacher-forced over 64 positions,
 # and runs `orchid bench` (docs/performance.md protocol). Extra arguments go to `orchid bench`.
 #
-#   scripts/gpu-bench.sh [--lengths 256,4096] [--runs 3]
+#   scripts/gpu-bench.sh [--lengths 256,4096] [--runs 3] [--long-runs 1]
+#   ORCHID_CHECK_CPU=0 skips the CPU comparison; ORCHID_PDL=0 captures the decode graph without
+#   programmatic dependent launch (A/B).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -16,4 +18,4 @@ if [ ! -f "$MODEL/config.json" ]; then
   dist/orchid synth --preset qwen3.6-35b-a3b --format mlx4 --out "$MODEL" 2>&1 | tail -3
   echo "synth: $(( $(date +%s) - start ))s, $(du -sh "$MODEL" | cut -f1)"
 fi
-dist/orchid bench --model "$MODEL" --check-cpu 64 --out "$LOG/bench.json" "$@" 2>&1 | tee "$LOG/bench.txt"
+dist/orchid bench --model "$MODEL" --check-cpu "${ORCHID_CHECK_CPU:-64}" --out "$LOG/bench.json" "$@" 2>&1 | tee "$LOG/bench.txt"

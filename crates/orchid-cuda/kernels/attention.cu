@@ -18,6 +18,7 @@ struct PrepArgs {
 // K/V -> the cache. One warp per (token, head); heads Hq.. Hq+Hkv-1 are the KV heads.
 extern "C" __global__ void __launch_bounds__(128) attn_prep(const PrepArgs a) {
     __shared__ float buf[4][256];
+    pdl_enter();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x, h = blockIdx.y * 4 + warp;
     if (h >= a.Hq + a.Hkv) return;
@@ -245,6 +246,7 @@ DEVI void attn_decode_body(const AttnArgs& a) {
     __nv_bfloat16* KVw = Qs + 16 * ST;                         // per warp [K, V][TK][ST]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z, G = a.G;
+    pdl_enter();
     const int pos = a.pos_ptr ? *(const int*)a.pos_ptr : a.start;
     const int nkeys = pos + 1;
     for (int c = threadIdx.x; c < 16 * (D / 8); c += 128) {
@@ -338,6 +340,7 @@ DEVI void attn_decode_body(const AttnArgs& a) {
 extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a, int D) {
     __shared__ float wts[256];
     __shared__ float red[32];
+    pdl_enter();
     const int h = blockIdx.x, G = a.G, kvh = h / G, hg = h % G, z = hg / 16, row = hg % 16;
     const int nz = (G + 15) / 16;
     const float* ml = (const float*)a.part_ml;

@@ -345,6 +345,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_decode(const GdnDe
         int i = rg + m * RG;
         s[m] = (act && i < dk) ? S[(i64)i * dv + c] : 0.f;
     }
+    // The state and the position were last written by the previous decode step (a previous graph
+    // launch); everything below reads this step's projections.
+    pdl_enter();
     // Conv of q (dk), k (dk), v (dv) channels of this head -> vals.
     const int nch = 2 * dk + dv;
     for (int i = tid; i < nch; i += GDN_THREADS) {

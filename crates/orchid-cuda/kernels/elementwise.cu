@@ -67,6 +67,7 @@ DEVI float q4_element(const u32* __restrict__ w, const u32* __restrict__ sb, int
 // Embedding rows of a Q4 table: out[i, k] = W[ids[i], k].  grid.x = T.
 extern "C" __global__ void embed_q4(const u32* __restrict__ w, const u32* __restrict__ sb, const int* __restrict__ ids,
                                     float* __restrict__ out, int n, int kpad) {
+    pdl_enter();
     i64 r = ids[blockIdx.x];
     float* dst = out + (i64)blockIdx.x * n;
     for (int k = threadIdx.x; k < n; k += blockDim.x) dst[k] = q4_element(w, sb, kpad, r, k);
@@ -75,6 +76,7 @@ extern "C" __global__ void embed_q4(const u32* __restrict__ w, const u32* __rest
 // Embedding rows of a bf16 table (row stride kpad).
 extern "C" __global__ void embed_bf16(const __nv_bfloat16* __restrict__ w, const int* __restrict__ ids,
                                       float* __restrict__ out, int n, int kpad) {
+    pdl_enter();
     i64 r = ids[blockIdx.x];
     float* dst = out + (i64)blockIdx.x * n;
     for (int k = threadIdx.x; k < n; k += blockDim.x) dst[k] = __bfloat162float(w[r * kpad + k]);

@@ -188,16 +188,17 @@ DEVI TileRef tile_ref(u64 w, u64 sb, i64 row0, int kpad) {
     return r;
 }
 
-// NB units of one tile in registers (loads in flight together).
+// N units of one tile in registers (loads in flight together).
+template <int N = NB>
 struct Batch {
-    uint4 A0[NB], A1[NB];
-    uint2 S0[NB], S1[NB];
+    uint4 A0[N], A1[N];
+    uint2 S0[N], S1[N];
 };
 
-template <int FMT>
-DEVI void load_batch(Batch& b, const TileRef& tr, int u0, int step, int nunits) {
+template <int FMT, int N = NB>
+DEVI void load_batch(Batch<N>& b, const TileRef& tr, int u0, int step, int nunits) {
 #pragma unroll
-    for (int i = 0; i < NB; ++i) {
+    for (int i = 0; i < N; ++i) {
         int u = u0 + i * step;
         if (u < nunits) {
             b.A0[i] = ldg_nc(tr.w0 + u * 4);
@@ -210,11 +211,11 @@ DEVI void load_batch(Batch& b, const TileRef& tr, int u0, int step, int nunits) 
     }
 }
 
-template <int FMT>
-DEVI void compute_batch(const Batch& b, int u0, int step, int nunits, const u32* xrow, const float* xs_n0, const float* xs_n1,
+template <int FMT, int N = NB>
+DEVI void compute_batch(const Batch<N>& b, int u0, int step, int nunits, const u32* xrow, const float* xs_n0, const float* xs_n1,
                         float coef, float* tot) {
 #pragma unroll
-    for (int i = 0; i < NB; ++i) {
+    for (int i = 0; i < N; ++i) {
         int u = u0 + i * step;
         if (u < nunits) {
             if (FMT == FMT_Q4) unit_q4(b.A0[i], b.A1[i], b.S0[i], b.S1[i], xrow, xs_n0, xs_n1, u, coef, tot);
@@ -224,13 +225,13 @@ DEVI void compute_batch(const Batch& b, int u0, int step, int nunits, const u32*
 }
 
 // Accumulates units u = first, first + step, ... < nunits of one tile into tot.
-template <int FMT>
+template <int FMT, int N = NB>
 DEVI void tile_units(TileRef tr, int first, int step, int nunits, const u32* xrow, const float* xs_n0, const float* xs_n1,
                      float coef, float* tot) {
-    for (int u0 = first; u0 < nunits; u0 += NB * step) {
-        Batch b;
-        load_batch<FMT>(b, tr, u0, step, nunits);
-        compute_batch<FMT>(b, u0, step, nunits, xrow, xs_n0, xs_n1, coef, tot);
+    for (int u0 = first; u0 < nunits; u0 += N * step) {
+        Batch<N> b;
+        load_batch<FMT, N>(b, tr, u0, step, nunits);
+        compute_batch<FMT, N>(b, u0, step, nunits, xrow, xs_n0, xs_n1, coef, tot);
     }
 }
 
@@ -324,7 +325,7 @@ DEVI void gemv_body(const GemvArgs& a) {
     const int lo = units_all * part / kparts, nunits = units_all * (part + 1) / kparts;
     // The first batch of weights is requested before x is staged, so both are in flight together.
     TileRef tr = tile_ref<FMT>(S.w, S.sb, row0 + g, kpad);
-    Batch first;
+    Batch<> first;
     if (active) load_batch<FMT>(first, tr, lo + ks, a.ksplit, nunits);
     pdl_enter();  // weights only above: x is the previous kernel's output
     stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, xs32, xsum, sred);
@@ -415,28 +416,30 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
     const i64 row0 = (i64)tile * 16;
     const int nunits = FMT == FMT_Q4 ? kpad / 128 : kpad / 32;
     TileRef tg, tu;
-    Batch bg, bu;
+    // Two units per matrix and warp in registers (gate and up: four loads in flight), so that
+    // nothing spills (120 registers, 2 blocks/SM; launch: ksplit 8 for K = 2048, one batch).
+    constexpr int NU = 2;
+    Batch<NU> bg, bu;
     auto first_loads = [&]() {
         i64 base = shared ? 0 : (i64)((const int*)a.ids)[src] * a.rows_e;
         tg = shared ? tile_ref<FMT>(a.sh_gate_w, a.sh_gate_sb, row0 + g, kpad) : tile_ref<FMT>(a.gate_w, a.gate_sb, base + row0 + g, kpad);
         tu = shared ? tile_ref<FMT>(a.sh_up_w, a.sh_up_sb, row0 + g, kpad) : tile_ref<FMT>(a.up_w, a.up_sb, base + row0 + g, kpad);
-        load_batch<FMT>(bg, tg, ks, a.ksplit, nunits);
-        load_batch<FMT>(bu, tu, ks, a.ksplit, nunits);
+        load_batch<FMT, NU>(bg, tg, ks, a.ksplit, nunits);
+        load_batch<FMT, NU>(bu, tu, ks, a.ksplit, nunits);
     };
-    // The shared expert's weights are requested before the wait for the router (the previous
-    // kernel); the routed experts' ids are its output.
-    if (active && shared) first_loads();
+    // The routed experts' ids are the router's (previous kernel's) output: wait first. (Requesting
+    // the shared expert's weights before the wait costs 250 B of register spills.)
     pdl_enter();
-    if (active && !shared) first_loads();
+    if (active) first_loads();
     stage_x((const float*)a.x, 0, 1, a.K, kpad, (const float*)a.norm_w, a.eps, xs32, xsum, sred);
     float tot[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (active) {
         const u32* xrow = g == 0 ? xs32 : nullptr;
         const float* xa = t4 == 0 ? xsum : nullptr;
-        compute_batch<FMT>(bg, ks, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot);
-        compute_batch<FMT>(bu, ks, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot + 4);
-        tile_units<FMT>(tg, ks + NB * a.ksplit, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot);
-        tile_units<FMT>(tu, ks + NB * a.ksplit, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot + 4);
+        compute_batch<FMT, NU>(bg, ks, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot);
+        compute_batch<FMT, NU>(bu, ks, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot + 4);
+        tile_units<FMT, NU>(tg, ks + NU * a.ksplit, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot);
+        tile_units<FMT, NU>(tu, ks + NU * a.ksplit, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot + 4);
     }
     bool owner = reduce_ksplit<2>(tot, red, a.ksplit);
     if (owner && active && t4 == 0) {
@@ -482,7 +485,7 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
     const int n_r = a.topk * nu_r, total = n_r + (a.has_shared ? nu_s : 0);
     const int* ids = (const int*)a.ids;
     const float* rw = (const float*)a.route_w;
-    auto load = [&](Batch& b, int f0) {
+    auto load = [&](Batch<>& b, int f0) {
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
             int f = f0 + i * a.ksplit;
@@ -500,7 +503,7 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
         }
     };
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
-    auto compute = [&](const Batch& b, int f0) {
+    auto compute = [&](const Batch<>& b, int f0) {
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
             int f = f0 + i * a.ksplit;
@@ -513,7 +516,7 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
             }
         }
     };
-    Batch first;
+    Batch<> first;
     // ids and route_w come from the router, two kernels back: complete before the previous kernel
     // (moe_up) passed its own wait and released this one (see pdl_wait in common.cuh).
     if (active) load(first, ks);
@@ -564,7 +567,7 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
     if (active) {
         compute(first, ks);
         for (int f0 = ks + NB * a.ksplit; f0 < total; f0 += NB * a.ksplit) {
-            Batch b;
+            Batch<> b;
             load(b, f0);
             compute(b, f0);
         }

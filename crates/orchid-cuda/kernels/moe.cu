@@ -105,13 +105,36 @@ struct ScatterArgs {
     int T, topk, pad0, pad1;
 };
 
-extern "C" __global__ void moe_scatter(const ScatterArgs a) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= a.T * a.topk) return;
-    int e = ((const int*)a.ids)[i];
-    int p = atomicAdd((int*)a.cursor + e, 1);
-    ((int*)a.assign_tok)[p] = i / a.topk;
-    ((int*)a.slot_pos)[i] = p;
+// Stable scatter: one block per expert walks all assignments in order, so the list of an expert
+// holds its tokens in ascending (token, slot) order on every run (no atomics: the grouped GEMMs
+// see the same tiles each time). `cursor` holds the experts' offsets (moe_scan). grid = E, 256.
+extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs a) {
+    __shared__ int wcount[8];
+    const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = a.T * a.topk;
+    const int* ids = (const int*)a.ids;
+    int base = ((const int*)a.cursor)[e];
+    for (int i0 = 0; i0 < n; i0 += 256) {
+        const int i = i0 + threadIdx.x;
+        const bool mine = i < n && ids[i] == e;
+        const unsigned m = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0) wcount[warp] = __popc(m);
+        __syncthreads();
+        int before = 0, total = 0;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            const int c = wcount[w];
+            before += w < warp ? c : 0;
+            total += c;
+        }
+        if (mine) {
+            const int p = base + before + __popc(m & ((1u << lane) - 1u));
+            ((int*)a.assign_tok)[p] = i / a.topk;
+            ((int*)a.slot_pos)[i] = p;
+        }
+        base += total;
+        __syncthreads();
+    }
 }
 
 struct CombineArgs {

@@ -35,6 +35,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_argmax(const SampleArgs
     __shared__ float sv[8];
     __shared__ int si[8];
     __shared__ int s_last;
+    pdl_enter();
     const SampleParams* p = (const SampleParams*)a.params;
     const int valid = min(a.vocab, p->valid);
     const int per = (valid + gridDim.x - 1) / gridDim.x;
@@ -86,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(SB) sample_general(const SampleArgs
     __shared__ u64 s_above;
     __shared__ u64 chunk[SB];
     __shared__ int s_tok;
+    pdl_enter();
     const SampleParams P = *(const SampleParams*)a.params;
     const int valid = min(a.vocab, P.valid);
     const float* l = (const float*)a.logits;

@@ -57,6 +57,8 @@ pub struct DecodeGraph {
     pub pos_host: usize,
     steps: usize,
     pub kernels_per_step: usize,
+    /// Whether the step's kernels are chained by programmatic dependent launch (see `capture`).
+    pub pdl: bool,
     /// Per-launch timing events when built with `profile` (see `profile_summary`).
     prof: Vec<(&'static str, crate::driver::Event)>,
 }
@@ -145,6 +147,7 @@ impl DecodeGraph {
             pos_host: 0,
             steps: 0,
             kernels_per_step: 0,
+            pdl: false,
             prof: Vec::new(),
         };
         // Everything the capture needs must exist before it starts (no allocations inside).
@@ -152,27 +155,50 @@ impl DecodeGraph {
             b.inv_freq(a.rope_theta, a.rotary_dim)?;
         }
         gpu.synchronize()?;
+        // Programmatic dependent launch between the step's kernels (not with the per-kernel
+        // timing events of a profiled graph); if the driver refuses it, capture without.
+        let pdl = !profile && crate::driver::pdl_supported(&gpu);
+        let (graph, launches, prof) = match g.capture(model, state, profile, pdl) {
+            Ok(r) => r,
+            Err(e) if pdl => {
+                tracing::warn!("decode graph with programmatic dependent launch failed ({e}); capturing without it");
+                g.pdl = false;
+                g.capture(model, state, profile, false)?
+            }
+            Err(e) => return Err(e),
+        };
+        g.prof = prof;
+        g.kernels_per_step = launches;
+        tracing::debug!("decode graph: {launches} launches, {} nodes, pdl {}", graph.num_nodes(), g.pdl);
+        g.graph = Some(graph);
+        Ok(g)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn capture(&mut self, model: &Model<CudaBackend>, state: &CudaState, profile: bool, pdl: bool) -> Result<(Graph, usize, Vec<(&'static str, crate::driver::Event)>)> {
+        let gpu = self.ctx.gpu.clone();
         let mut launches = 0;
         let mut prof = Vec::new();
+        self.pdl = pdl;
+        let this = &*self;
         let graph = Graph::capture(&gpu, || {
             if profile {
                 crate::driver::profile_begin_capture()?;
             }
-            let r = g.enqueue(model, state);
+            let r = this.enqueue(model, state);
+            crate::driver::set_pdl(false);
             if profile {
                 prof = crate::driver::profile_end();
             }
             launches = r?;
             Ok(())
-        })?;
-        g.prof = prof;
-        g.kernels_per_step = launches;
-        tracing::debug!("decode graph: {launches} launches, {} nodes", graph.num_nodes());
-        g.graph = Some(graph);
-        Ok(g)
+        });
+        crate::driver::set_pdl(false);
+        Ok((graph?, launches, prof))
     }
 
-    /// Enqueues one decode step on the stream; returns the number of launches.
+    /// Enqueues one decode step on the stream; returns the number of launches. With `self.pdl`
+    /// every launch after the first carries the programmatic-dependent-launch attribute.
     fn enqueue(&self, model: &Model<CudaBackend>, state: &CudaState) -> Result<usize> {
         let c = &*self.ctx;
         let cfg = &model.config;
@@ -182,6 +208,7 @@ impl DecodeGraph {
         let mut n = 0;
         ops::embed(c, &model.embed_tokens, self.token.ptr, self.x.ptr, 1)?;
         n += 1;
+        crate::driver::set_pdl(self.pdl);
         for (li, layer) in model.layers.iter().enumerate() {
             let norm_in = Some((layer.input_layernorm.buf.ptr, eps));
             match &layer.mixer {

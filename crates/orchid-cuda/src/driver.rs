@@ -292,6 +292,7 @@ pub fn copy_d2d(gpu: &Gpu, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()>
 
 thread_local! {
     static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static PDL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static PROFILE: std::cell::RefCell<Option<Vec<(&'static str, Event)>>> = const { std::cell::RefCell::new(None) };
 }
 
@@ -335,6 +336,20 @@ pub fn profile_summary(events: &[(&'static str, Event)]) -> Result<Vec<(&'static
     Ok(acc)
 }
 
+/// While on (this thread), launches carry the programmatic-stream-serialization attribute
+/// (programmatic dependent launch, Hopper+): the kernel may start while the previous one on the
+/// stream still runs, and must call `pdl_wait()` (kernels/common.cuh) before it reads anything
+/// that kernel or an earlier one wrote. The decode graph turns it on for its kernels.
+pub fn set_pdl(on: bool) {
+    PDL.with(|p| p.set(on));
+}
+
+/// Whether programmatic dependent launch is wanted: compute capability 9.0 or newer and
+/// `ORCHID_PDL` not `0`.
+pub fn pdl_supported(gpu: &Gpu) -> bool {
+    gpu.cc.0 >= 9 && std::env::var("ORCHID_PDL").map_or(true, |v| v != "0")
+}
+
 fn sync_check() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("ORCHID_SYNC_CHECK").is_ok_and(|v| v != "0"))
@@ -364,10 +379,30 @@ impl Kernel {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        // SAFETY: the function handle is live; params point at values that outlive the call
-        // (the driver copies them at launch).
-        let r = unsafe {
-            sys::cuLaunchKernel(self.f, grid.0, grid.1, grid.2, block, 1, 1, smem, gpu.stream, params.as_mut_ptr(), std::ptr::null_mut())
+        let r = if PDL.with(|p| p.get()) {
+            // SAFETY: the attribute and config live across the call; as above for the rest.
+            unsafe {
+                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let cfg = sys::CUlaunchConfig {
+                    gridDimX: grid.0,
+                    gridDimY: grid.1,
+                    gridDimZ: grid.2,
+                    blockDimX: block,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: smem,
+                    hStream: gpu.stream,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                sys::cuLaunchKernelEx(&cfg, self.f, params.as_mut_ptr(), std::ptr::null_mut())
+            }
+        } else {
+            // SAFETY: the function handle is live; params point at values that outlive the call
+            // (the driver copies them at launch).
+            unsafe { sys::cuLaunchKernel(self.f, grid.0, grid.1, grid.2, block, 1, 1, smem, gpu.stream, params.as_mut_ptr(), std::ptr::null_mut()) }
         };
         check(r, self.name)?;
         let prof = PROFILE.with(|p| p.borrow().is_some());

@@ -268,7 +268,7 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     )?;
     let assign_tok = DevBuf::alloc(gpu, t * k * 4)?;
     let slot_pos = DevBuf::alloc(gpu, t * k * 4)?;
-    mo::scatter(c, &mo::ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok: assign_tok.ptr, slot_pos: slot_pos.ptr, t: t as i32, topk: k as i32, ..Default::default() })?;
+    mo::scatter(c, &mo::ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok: assign_tok.ptr, slot_pos: slot_pos.ptr, t: t as i32, topk: k as i32, ..Default::default() }, e)?;
     let inter = w.experts.gate.rows;
     let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || ops::Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };

@@ -196,6 +196,12 @@ pub fn gemv_launch_ksplit(nunits: usize, tiles: usize, capacity: usize) -> usize
     gemv_ksplit(nunits)
 }
 
+/// Warps per 16-row tile of the decode `moe_up` kernel: two units of gate and two of up per warp
+/// (its register batch), so one batch covers K = 2048 (Q4) with 8 warps per tile.
+pub fn moe_up_ksplit(nunits: usize) -> usize {
+    nunits.div_ceil(2).next_power_of_two().clamp(1, 8)
+}
+
 pub fn units_of(fmt: WFormat, kpad: usize) -> usize {
     match fmt {
         WFormat::Q4 => kpad / 128,
@@ -392,7 +398,7 @@ pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64
         a.has_shared = 1;
     }
     a.hstride = m.hstride() as i32;
-    let ks = gemv_ksplit(units_of(fmt, kpad));
+    let ks = moe_up_ksplit(units_of(fmt, kpad));
     a.ksplit = ks as i32;
     let tiles = m.hstride().div_ceil(16);
     let nsrc = m.topk + a.has_shared as usize;
@@ -565,6 +571,14 @@ mod tests {
         assert_eq!(std::mem::size_of::<MoeUpArgs>(), 144);
         assert_eq!(std::mem::size_of::<MoeDownArgs>(), 112);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 104);
+    }
+
+    #[test]
+    fn moe_up_split() {
+        assert_eq!(moe_up_ksplit(16), 8); // K = 2048 Q4: two units per warp, one batch
+        assert_eq!(moe_up_ksplit(4), 2);
+        assert_eq!(moe_up_ksplit(1), 1);
+        assert_eq!(moe_up_ksplit(64), 8); // bf16 K = 2048: 64 units, four batches
     }
 
     #[test]

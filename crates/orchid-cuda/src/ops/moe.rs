@@ -71,9 +71,9 @@ pub fn scan(c: &Ctx, a: &ScanArgs) -> Result<()> {
     c.k("moe_scan").launch(&c.gpu, (1, 1, 1), 1024, 0, a)
 }
 
-pub fn scatter(c: &Ctx, a: &ScatterArgs) -> Result<()> {
-    let n = (a.t * a.topk) as usize;
-    c.k("moe_scatter").launch(&c.gpu, (n.div_ceil(256) as u32, 1, 1), 256, 0, a)
+/// Stable scatter into the per-expert lists: one block per expert (`e` experts).
+pub fn scatter(c: &Ctx, a: &ScatterArgs, e: usize) -> Result<()> {
+    c.k("moe_scatter").launch(&c.gpu, (e as u32, 1, 1), 256, 0, a)
 }
 
 pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {

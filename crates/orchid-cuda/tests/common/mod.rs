@@ -173,7 +173,7 @@ pub fn random_weights(cfg: &ModelConfig, fmt: Fmt, seed: u64) -> HostWeights {
             HostLayer { input_norm: norm_w(&mut rng, h), post_norm: norm_w(&mut rng, h), mixer, ffn }
         })
         .collect();
-    HostWeights { embed, lm_head, final_norm: norm_w(&mut rng, h), layers }
+    HostWeights { embed, lm_head, tied: false, final_norm: norm_w(&mut rng, h), layers }
 }
 
 /// A Qwen3.5-MoE config.json for the given dims.

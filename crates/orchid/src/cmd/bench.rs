@@ -39,6 +39,9 @@ pub struct BenchArgs {
     /// Timed runs per length (after one warm-up run).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Timed runs for prompts of 65,536 tokens and more (default: --runs), to fit a time limit.
+    #[arg(long)]
+    long_runs: Option<usize>,
     /// Prefill chunk (tokens per forward call).
     #[arg(long, default_value_t = 4096)]
     chunk: usize,
@@ -221,6 +224,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         state.free(slot);
         tracing::info!("decode graph: {} kernels per step", graph.kernels_per_step);
         report["kernels_per_decode_step"] = json!(graph.kernels_per_step);
+        report["decode_graph_pdl"] = json!(graph.pdl);
+        tracing::info!("decode graph: programmatic dependent launch {}", if graph.pdl { "on" } else { "off" });
         if a.profile {
             report["profile"] = profile(&m, &mut state, &mut graph, a.profile_length.min(max_len), a.chunk)?;
         }
@@ -236,7 +241,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let r = (|| -> Result<serde_json::Value> {
                 let warm = run_once(&m, &mut state, &mut graph, &prompt, a.chunk, a.decode)?;
                 let (mut pf, mut dc) = (Vec::new(), Vec::new());
-                for _ in 0..a.runs.max(1) {
+                let runs = if len >= 65536 { a.long_runs.unwrap_or(a.runs) } else { a.runs };
+                for _ in 0..runs.max(1) {
                     let r = run_once(&m, &mut state, &mut graph, &prompt, a.chunk, a.decode)?;
                     if r.first != warm.first || r.tokens != warm.tokens {
                         tracing::warn!("length {len}: greedy tokens differ between runs");
@@ -252,6 +258,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 let (free, total) = gpu.mem_info()?;
                 Ok(json!({
                     "length": len,
+                    "runs": runs,
                     "prefill_tok_s": pm, "prefill_min": plo, "prefill_max": phi,
                     "decode_tok_s": dm, "decode_min": dlo, "decode_max": dhi,
                     "decode_bytes_per_token": dbytes,
