@@ -28,8 +28,7 @@ pub fn decode_row(w: &LinearWeight, r: usize, out: &mut [f32]) {
         },
         WeightData::Affine(a) => {
             let bits = a.bits as usize;
-            let per_word = 32 / bits;
-            let words_per_row = cols / per_word;
+            let words_per_row = cols * bits / 32;
             let groups = cols / a.group;
             let packed = &a.packed.typed::<u32>()[r * words_per_row..(r + 1) * words_per_row];
             let sb = |bytes: &[u8], g: usize| -> f32 {
@@ -41,24 +40,39 @@ pub fn decode_row(w: &LinearWeight, r: usize, out: &mut [f32]) {
                 }
             };
             let (sc, bi) = (a.scales.as_slice(), a.biases.as_slice());
-            let mask = (1u32 << bits) - 1;
-            let words_per_group = a.group / per_word;
+            let words_per_group = a.group * bits / 32;
             for g in 0..groups {
-                let (s, b) = (sb(sc, g), sb(bi, g));
                 let ws = &packed[g * words_per_group..(g + 1) * words_per_group];
                 let o = &mut out[g * a.group..(g + 1) * a.group];
-                for (wi, word) in ws.iter().enumerate() {
-                    for i in 0..per_word {
-                        o[wi * per_word + i] = s * ((word >> (bits * i)) & mask) as f32 + b;
-                    }
+                let (s, b) = (sb(sc, g), sb(bi, g));
+                match bits {
+                    4 => unpack::<4, 8>(ws, s, b, o),
+                    8 => unpack::<8, 4>(ws, s, b, o),
+                    _ => unpack::<2, 16>(ws, s, b, o),
                 }
             }
         }
     }
 }
 
-/// Weight rows handled by one task.
-const ROWS_PER_TASK: usize = 8;
+/// o = s·q + b for the `PER = 32 / BITS` codes of each word (lowest bits first).
+#[inline(always)]
+fn unpack<const BITS: u32, const PER: usize>(words: &[u32], s: f32, b: f32, o: &mut [f32]) {
+    let mask = (1u32 << BITS) - 1;
+    for (w, oc) in words.iter().zip(o.as_chunks_mut::<PER>().0) {
+        for (i, v) in oc.iter_mut().enumerate() {
+            *v = s.mul_add(((w >> (BITS * i as u32)) & mask) as f32, b);
+        }
+    }
+}
+
+/// Weight rows handled by one task: enough work (≥ 64K multiply-adds) that scheduling is
+/// cheap next to it, and at most a few tasks per thread to balance the load.
+fn rows_per_task(n: usize, k: usize, t: usize) -> usize {
+    let min_rows = (1usize << 16).div_ceil((k * t).max(1));
+    let balanced = n.div_ceil(4 * rayon::current_num_threads());
+    min_rows.max(balanced).max(R).next_multiple_of(R)
+}
 /// Register tile of the micro-kernel: R weight rows × C tokens, 8 lanes each.
 const R: usize = 4;
 const C: usize = 2;
@@ -138,12 +152,13 @@ pub fn matmul(x: &CpuTensor, w: &LinearWeight) -> CpuTensor {
     let (t, k, n) = (x.rows, x.cols, w.rows);
     // out_t is [n, t]: each task owns whole weight rows, decoded once for all tokens.
     let mut out_t = vec![0f32; n * t];
-    out_t.par_chunks_mut(ROWS_PER_TASK * t).enumerate().for_each(|(ci, chunk)| {
+    let per_task = rows_per_task(n, k, t);
+    out_t.par_chunks_mut(per_task * t).enumerate().for_each(|(ci, chunk)| {
         let rows = chunk.len() / t;
         let bufs: Vec<Vec<f32>> = (0..rows)
             .map(|ri| {
                 let mut b = vec![0f32; k];
-                decode_row(w, ci * ROWS_PER_TASK + ri, &mut b);
+                decode_row(w, ci * per_task + ri, &mut b);
                 b
             })
             .collect();
