@@ -7,7 +7,6 @@ use anyhow::Result;
 use clap::Args;
 use orchid_engine::ChatTemplate;
 use orchid_engine::engine::EngineOptions;
-use orchid_engine::request::GenerateRequest;
 use serde_json::{Map, Value, json};
 
 use super::common::{Device, SamplingArgs, model_dir, start_engine, stream_to};
@@ -58,11 +57,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         }
         history.push(json!({"role": "user", "content": line}));
         let prompt = template.render(&history, None, true, &kwargs)?;
-        let mut req = GenerateRequest::new(loaded.tokenizer.encode(&prompt, false)?);
-        req.sampling = a.sampling.params(&dir);
-        req.max_tokens = a.sampling.max_tokens;
-        req.stop = a.sampling.stop.clone();
-        req.stop_token_ids = loaded.tokenizer.eos_token_ids().to_vec();
+        let req = a.sampling.request(&dir, loaded.tokenizer.encode(&prompt, false)?, &loaded.tokenizer);
         let (_, _, _, text) = stream_to(&loaded, req, &mut out)?;
         writeln!(out)?;
         // Split the reasoning off the answer for the history, as the template expects.

@@ -129,6 +129,16 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
+    /// A request for `prompt` with these flags, stopping at the checkpoint's end-of-turn ids.
+    pub fn request(&self, dir: &Path, prompt: Vec<u32>, tokenizer: &orchid_engine::Tokenizer) -> orchid_engine::request::GenerateRequest {
+        let mut req = orchid_engine::request::GenerateRequest::new(prompt);
+        req.sampling = self.params(dir);
+        req.max_tokens = self.max_tokens;
+        req.stop = self.stop.clone();
+        req.stop_token_ids = tokenizer.eos_token_ids().to_vec();
+        req
+    }
+
     pub fn params(&self, dir: &Path) -> orchid_engine::sampling::SamplingParams {
         let mut p = orchid_engine::defaults::sampling_defaults(dir);
         if let Some(x) = self.temperature {

@@ -6,7 +6,6 @@ use anyhow::Result;
 use clap::Args;
 use orchid_engine::ChatTemplate;
 use orchid_engine::engine::EngineOptions;
-use orchid_engine::request::GenerateRequest;
 use serde_json::{Map, Value, json};
 
 use super::common::{Device, SamplingArgs, model_dir, start_engine, stream_to};
@@ -51,12 +50,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         ChatTemplate::from_dir(&dir)?.render(&messages, None, true, &kwargs)?
     };
     let info = loaded.engine.wait_ready().map_err(anyhow::Error::msg)?;
-    let mut req = GenerateRequest::new(loaded.tokenizer.encode(&text, false)?);
-    req.sampling = a.sampling.params(&dir);
-    req.max_tokens = a.sampling.max_tokens;
-    req.stop = a.sampling.stop.clone();
-    req.stop_token_ids = loaded.tokenizer.eos_token_ids().to_vec();
-    req.skip_special_tokens = false;
+    let req = a.sampling.request(&dir, loaded.tokenizer.encode(&text, false)?, &loaded.tokenizer);
     let prompt_len = req.prompt.len();
     let (n, ttft, secs, _) = stream_to(&loaded, req, &mut std::io::stdout().lock())?;
     println!();
