@@ -11,7 +11,7 @@ commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates scripts |
 export ORCHID_GIT_COMMIT="$commit"
 cargo build --release -p orchid
 rm -rf dist && mkdir -p dist/tests
-strip -o dist/orchid target/release/orchid
+strip -o dist/orchid "${CARGO_TARGET_DIR:-target}/release/orchid"
 cargo test --release -p orchid-cuda --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys, shutil, os, subprocess

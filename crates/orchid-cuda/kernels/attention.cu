@@ -14,47 +14,66 @@ struct PrepArgs {
     float eps, pad2;
 };
 
+// One head row of D values: RMSNorm with multiplier weights nw, partial RoPE at `pos` (pairs i,
+// i + R/2 of the first R dims), rounded to bf16 into dst. One warp; y: D floats of scratch.
+DEVI void prep_row(const float* src, const float* nw, int D, int R, int pos, const float* inv_freq, float eps, float* y,
+                   __nv_bfloat16* dst) {
+    const int lane = threadIdx.x & 31, half = R / 2;
+    float v[8], w[8];  // D ≤ 256: the row and the norm weights in one round of loads
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < D ? src[e] : 0.f;
+        w[i] = e < D ? nw[e] : 0.f;
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
+    ss = warp_sum(ss);
+    const float inv = 1.f / sqrtf(ss / D + eps);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (lane + 32 * i < D) y[lane + 32 * i] = v[i] * inv * w[i];
+    __syncwarp();
+    for (int e = lane; e < D; e += 32) {
+        float o = y[e];
+        if (e < R) {
+            int i = e < half ? e : e - half;
+            float ang = (float)pos * inv_freq[i];
+            float c = cosf(ang), s = sinf(ang);
+            o = e < half ? y[e] * c - y[e + half] * s : y[e] * c + y[i] * s;
+        }
+        dst[e] = __float2bfloat16_rn(o);
+    }
+    __syncwarp();
+}
+
+// Appends token t's key (normalised, rotated) and value of KV head kh to the cache. One warp.
+DEVI void prep_kv(const PrepArgs& a, int t, int kh, int pos, float* y) {
+    const int D = a.D, lane = threadIdx.x & 31;
+    const int blk = ((const int*)a.table)[pos / a.BS];
+    const i64 off = (((i64)blk * a.Hkv + kh) * a.BS + pos % a.BS) * D;
+    const float* vs = (const float*)a.v + (i64)t * a.ldk + kh * D;
+    __nv_bfloat16* vd = (__nv_bfloat16*)a.vpool + off;
+    for (int e = lane; e < D; e += 32) vd[e] = __float2bfloat16_rn(vs[e]);
+    prep_row((const float*)a.k + (i64)t * a.ldk + kh * D, (const float*)a.k_norm, D, a.R, pos, (const float*)a.inv_freq, a.eps, y,
+             (__nv_bfloat16*)a.kpool + off);
+}
+
 // q/k RMSNorm (multiplier weights), partial RoPE at the token's position, q -> bf16 [T][Hq][D],
 // K/V -> the cache. One warp per (token, head); heads Hq.. Hq+Hkv-1 are the KV heads.
 extern "C" __global__ void __launch_bounds__(128) attn_prep(const PrepArgs a) {
     __shared__ float buf[4][256];
     pdl_enter();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int t = blockIdx.x, h = blockIdx.y * 4 + warp;
     if (h >= a.Hq + a.Hkv) return;
-    const int D = a.D, half = a.R / 2;
     const int pos = (a.pos_ptr ? *(const int*)a.pos_ptr : a.start) + t;
-    const bool is_q = h < a.Hq;
-    const int kh = h - a.Hq;
-    const float* src = is_q ? (const float*)a.qg + (i64)t * a.ldq + h * a.qstride : (const float*)a.k + (i64)t * a.ldk + kh * D;
-    const float* nw = (const float*)(is_q ? a.q_norm : a.k_norm);
-    float ss = 0.f;
-    for (int e = lane; e < D; e += 32) ss += src[e] * src[e];
-    ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / D + a.eps);
-    float* y = buf[warp];
-    for (int e = lane; e < D; e += 32) y[e] = src[e] * inv * nw[e];
-    __syncwarp();
-    __nv_bfloat16* dst;
-    if (is_q) {
-        dst = (__nv_bfloat16*)a.q_out + ((i64)t * a.Hq + h) * D;
+    if (h < a.Hq) {
+        prep_row((const float*)a.qg + (i64)t * a.ldq + h * a.qstride, (const float*)a.q_norm, a.D, a.R, pos, (const float*)a.inv_freq,
+                 a.eps, buf[warp], (__nv_bfloat16*)a.q_out + ((i64)t * a.Hq + h) * a.D);
     } else {
-        int blk = ((const int*)a.table)[pos / a.BS];
-        i64 off = (((i64)blk * a.Hkv + kh) * a.BS + pos % a.BS) * D;
-        dst = (__nv_bfloat16*)a.kpool + off;
-        const float* vs = (const float*)a.v + (i64)t * a.ldk + kh * D;
-        __nv_bfloat16* vd = (__nv_bfloat16*)a.vpool + off;
-        for (int e = lane; e < D; e += 32) vd[e] = __float2bfloat16_rn(vs[e]);
-    }
-    for (int e = lane; e < D; e += 32) {
-        float o = y[e];
-        if (e < a.R) {
-            int i = e < half ? e : e - half;
-            float ang = (float)pos * ((const float*)a.inv_freq)[i];
-            float c = cosf(ang), s = sinf(ang);
-            o = e < half ? y[e] * c - y[e + half] * s : y[e] * c + y[i] * s;
-        }
-        dst[e] = __float2bfloat16_rn(o);
+        prep_kv(a, t, h - a.Hq, pos, buf[warp]);
     }
 }
 
@@ -236,53 +255,80 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
 }
 
 // Decode (one query token): grid = (Hkv, nsplit, ceil(G/16)). The block's split of the keys is
-// shared by its 4 warps tile by tile (each warp its own tiles and buffers); the warps' partial
-// softmax states are merged in shared memory and written as one partial per block.
+// shared by its 4 warps tile by tile (each warp its own tiles, double-buffered); the warps'
+// partial softmax states are merged in shared memory and written as one partial per block.
+//
+// The block also does attn_prep's work for itself (`p`, one token): it normalises and rotates its
+// G query heads straight from the projection into shared memory, and the block whose split holds
+// the newest key appends that key and value to the cache before anyone reads it (every other
+// tile holds keys of earlier steps only, so a warp requests its first such tile before waiting
+// for the previous kernel).
 template <int D, int TK>
-DEVI void attn_decode_body(const AttnArgs& a) {
+DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
     constexpr int ST = D + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     __nv_bfloat16* Qs = (__nv_bfloat16*)smem;                 // [16][ST]
-    __nv_bfloat16* KVw = Qs + 16 * ST;                         // per warp [K, V][TK][ST]
+    __nv_bfloat16* KVw = Qs + 16 * ST;                         // per warp 2 x [K, V][TK][ST]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z, G = a.G;
-    pdl_enter();
+    // The position comes from the previous step (the sampler) or the host: readable before the wait.
     const int pos = a.pos_ptr ? *(const int*)a.pos_ptr : a.start;
     const int nkeys = pos + 1;
-    for (int c = threadIdx.x; c < 16 * (D / 8); c += 128) {
-        int r = c / (D / 8), ch = c % (D / 8);
-        int hg = z * 16 + r;
-        bool ok = hg < G;
-        const __nv_bfloat16* src = (const __nv_bfloat16*)a.q + ((i64)(ok ? kvh * G + hg : 0)) * D + ch * 8;
-        cp_async16(Qs + r * ST + ch * 8, src, ok);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
     const int ntiles = (nkeys + TK - 1) / TK;
     const int per = (ntiles + a.nsplit - 1) / a.nsplit;
     const int t_begin = split * per, t_end = min(ntiles, t_begin + per);
     const int nz_ = gridDim.z;
     const i64 pidx_ = ((i64)kvh * nz_ + z) * a.nsplit + split;
     if (t_begin >= t_end) {  // empty split: only the softmax state, which the combine skips
+        pdl_enter();
         if (threadIdx.x < 16) {
             ((float*)a.part_ml)[(pidx_ * 16 + threadIdx.x) * 2] = NEG_INF;
             ((float*)a.part_ml)[(pidx_ * 16 + threadIdx.x) * 2 + 1] = 0.f;
         }
         return;
     }
+    __nv_bfloat16* Kw = KVw + warp * 4 * TK * ST;  // buffer b: K at Kw + 2b·TK·ST, V after it
+    const int ti0 = t_begin + warp, last = ntiles - 1;
+    const bool early = ti0 < t_end && ti0 != last;  // a complete tile of earlier keys
+    if (early) load_kv_tile<D, TK>(Kw, Kw + TK * ST, a, kvh, ti0 * TK, nkeys, lane, 32);
+    cp_async_commit();
+    pdl_enter();
+    {
+        float* y = (float*)(Kw + 2 * TK * ST);  // scratch in buffer 1, before any tile uses it
+        for (int r = warp; r < 16; r += 4) {
+            const int hg = z * 16 + r;
+            if (hg < G) {
+                const int h = kvh * G + hg;
+                prep_row((const float*)p.qg + h * p.qstride, (const float*)p.q_norm, D, p.R, pos, (const float*)p.inv_freq, p.eps, y,
+                         Qs + r * ST);
+            } else {
+                for (int e = lane; e < D; e += 32) Qs[r * ST + e] = __float2bfloat16_rn(0.f);
+            }
+        }
+        if (warp == 0 && last / per == split) {
+            prep_kv(p, 0, kvh, pos, y);
+            __threadfence();
+        }
+        __syncthreads();
+    }
+    if (!early && ti0 < t_end) load_kv_tile<D, TK>(Kw, Kw + TK * ST, a, kvh, ti0 * TK, nkeys, lane, 32);
+    cp_async_commit();
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    __nv_bfloat16* Kw = KVw + warp * 2 * TK * ST;
-    for (int ti = t_begin + warp; ti < t_end; ti += 4) {
-        load_kv_tile<D, TK>(Kw, Kw + TK * ST, a, kvh, ti * TK, nkeys, lane, 32);
+    // Tile ti sits in buffer b while tile ti + 4 loads into the other one.
+    int b = 0;
+    for (int ti = ti0; ti < t_end; ti += 4) {
+        __nv_bfloat16* nb = Kw + 2 * (b ^ 1) * TK * ST;
+        if (ti + 4 < t_end) load_kv_tile<D, TK>(nb, nb + TK * ST, a, kvh, (ti + 4) * TK, nkeys, lane, 32);
         cp_async_commit();
-        cp_async_wait<0>();
+        cp_async_wait<1>();  // all but the newest group: tile ti is in
         __syncwarp();
-        attn_tile<D, TK>(Qs, Kw, Kw + TK * ST, o, m, l, ti * TK, nkeys, pos, pos, a.scale_log2);
+        const __nv_bfloat16* cb = Kw + 2 * b * TK * ST;
+        attn_tile<D, TK>(Qs, cb, cb + TK * ST, o, m, l, ti * TK, nkeys, pos, pos, a.scale_log2);
         __syncwarp();
+        b ^= 1;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -373,7 +419,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a,
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_d##D(const AttnArgs a) {              \
         attn_prefill_body<D, TKP>(a);                                                                    \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_d##D(const AttnArgs a) { attn_decode_body<D, TKD>(a); }
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_d##D(const AttnArgs a, const PrepArgs p) { \
+        attn_decode_body<D, TKD>(a, p);                                                                  \
+    }
 
 ATTN_KERNELS(32, 64, 32)
 ATTN_KERNELS(64, 64, 32)

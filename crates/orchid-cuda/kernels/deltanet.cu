@@ -57,234 +57,352 @@ extern "C" __global__ void __launch_bounds__(128) gdn_prep(const GdnPrepArgs p) 
 }
 
 struct ChunkArgs {
-    u64 x, beta, gdec, state, out;
+    u64 x, beta, gdec, state, out, scratch;
     int T, Hk, Hv, dk;
-    int dv, C, cw, pad;
+    int dv, C, cw, nchunks;
 };
 
 #define CHUNK 64
 
-// The chunked delta rule for one value head and a slice of cw state columns (model-spec §3.7).
-// grid = (Hv, dv / cw), block 256. out [T, Hv*dv] (pre-norm); the state is updated in place.
-extern "C" __global__ void __launch_bounds__(256) gdn_chunk(const ChunkArgs a) {
+// The chunked delta rule (model-spec §3.7) in two kernels: gdn_chunk_prep does everything that
+// does not depend on the state, for all chunks of all heads at once; gdn_chunk_scan walks the
+// chunks in order. Scratch (f32) per value head j and chunk c, at (j·nchunks + c)·E floats,
+// E = 64·(dk + dv + 64 + 1):  W [64][dk] | U [64][dv] | QK [64][64] | γ [64].
+// Rows ≥ L of a last partial chunk: W = U = QK = 0 (β = q = 0 there), γ stays flat.
+
+// acc[c] += w_e · s[e].c for e = 0..3 in this order (four steps of an inner product).
+DEVI void gdn_chunk_fma4(float* acc, const float4 w, const float4* s) {
+    const float we[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        acc[0] += we[e] * s[e].x;
+        acc[1] += we[e] * s[e].y;
+        acc[2] += we[e] * s[e].z;
+        acc[3] += we[e] * s[e].w;
+    }
+}
+
+// Per (value head j, chunk): γ = cumsum of g over the chunk; A[i][m] = β_i (k_i·k_m) e^{γ_i−γ_m}
+// (m < i), QK[i][m] = (q_i·k_m) e^{γ_i−γ_m} (m ≤ i); forward substitution (I + A) U = βV,
+// (I + A) W = β e^γ K, in place over V and K. grid = (nchunks, Hv), block 256, 2 blocks per SM.
+// Shared-memory loads (one 32-bit register per lane per cycle per SM) bound this kernel, so both
+// products are register-tiled; every output keeps the summation order of the row-by-row form.
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkArgs a) {
     extern __shared__ __align__(16) float sm[];
-    const int j = blockIdx.x, col0 = blockIdx.y * a.cw, cw = a.cw;
+    const int ch = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
     const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk;
-    const int KS = dk + 1, VS = cw + 1;
-    float* Ks = sm;                       // [64][KS]
-    float* Qs = Ks + CHUNK * KS;          // [64][KS]
-    float* Ws = Qs + CHUNK * KS;          // [64][KS]
-    float* Am = Ws + CHUNK * KS;          // [64][65]
-    float* QK = Am + CHUNK * 65;          // [64][65]
-    float* Us = QK + CHUNK * 65;          // [64][VS]  U, then Vn
-    float* Vs = Us + CHUNK * VS;          // [64][VS]
-    float* Ss = Vs + CHUNK * VS;          // [dk][VS]
-    float* bet = Ss + dk * VS;            // [64]
-    float* gam = bet + CHUNK;             // [64]
-    float* fac = gam + CHUNK;             // [64]
-    const int tid = threadIdx.x;
-    float* S = (float*)a.state + (i64)j * dk * dv;
-    for (int i = tid; i < dk * cw; i += 256) Ss[(i / cw) * VS + i % cw] = S[(i / cw) * dv + col0 + i % cw];
+    const int t0 = ch * CHUNK, L = min(CHUNK, a.T - t0);
+    const int KS = dk + 1, XS = max(dk, dv) + 1, AS = CHUNK + 4;
+    float* Ks = sm;                  // [64][KS]  K, then W
+    float* Xs = Ks + CHUNK * KS;     // [64][XS]  Q, then V, then U
+    float* At = Xs + CHUNK * XS;     // [64][AS]  Aᵀ: At[m][i] = A[i][m], m < i (the rest is never read)
+    float* bet = At + CHUNK * AS;    // [64]
+    float* gam = bet + CHUNK;        // [64]
+    float* Wg = (float*)a.scratch + ((i64)j * a.nchunks + ch) * ((i64)CHUNK * (dk + dv + CHUNK + 1));
+    float* Ug = Wg + CHUNK * dk;
+    float* QKg = Ug + CHUNK * dv;
+    float* Gg = QKg + CHUNK * CHUNK;
     const float* X = (const float*)a.x;
-    for (int t0 = 0; t0 < a.T; t0 += CHUNK) {
-        const int L = min(CHUNK, a.T - t0);
-        __syncthreads();
-        for (int i = tid; i < CHUNK * dk; i += 256) {
-            int r = i / dk, d = i % dk;
-            bool ok = r < L;
-            const float* row = X + (i64)(t0 + r) * a.C;
-            Qs[r * KS + d] = ok ? row[kh * dk + d] : 0.f;
-            Ks[r * KS + d] = ok ? row[key_dim + kh * dk + d] : 0.f;
-        }
-        for (int i = tid; i < CHUNK * cw; i += 256) {
-            int r = i / cw, c = i % cw;
-            Vs[r * VS + c] = r < L ? X[(i64)(t0 + r) * a.C + 2 * key_dim + j * dv + col0 + c] : 0.f;
-        }
-        if (tid < CHUNK) {
-            bet[tid] = tid < L ? ((const float*)a.beta)[(i64)(t0 + tid) * a.Hv + j] : 0.f;
-            gam[tid] = tid < L ? ((const float*)a.gdec)[(i64)(t0 + tid) * a.Hv + j] : 0.f;
-        }
-        __syncthreads();
-        if (tid == 0) {
-            float acc = 0.f;
-            for (int i = 0; i < CHUNK; ++i) { acc += gam[i]; gam[i] = acc; }
-        }
-        __syncthreads();
-        // A[i][m] = β_i (k_i·k_m) e^{γ_i−γ_m} (m < i);  QK[i][m] = (q_i·k_m) e^{γ_i−γ_m} (m ≤ i).
-        // 4x4 output tiles per thread (16 x 16 tiles); tiles above the diagonal are zero.
-        {
-            const int i0 = (tid >> 4) * 4, m0 = (tid & 15) * 4;
-            float kk[4][4], qk[4][4];
+    for (int i = tid; i < CHUNK * dk; i += 256) {
+        int r = i / dk, d = i % dk;
+        bool ok = r < L;
+        const float* row = X + (i64)(t0 + r) * a.C;
+        Xs[r * XS + d] = ok ? row[kh * dk + d] : 0.f;
+        Ks[r * KS + d] = ok ? row[key_dim + kh * dk + d] : 0.f;
+    }
+    if (tid < CHUNK) {
+        bet[tid] = tid < L ? ((const float*)a.beta)[(i64)(t0 + tid) * a.Hv + j] : 0.f;
+        gam[tid] = tid < L ? ((const float*)a.gdec)[(i64)(t0 + tid) * a.Hv + j] : 0.f;
+    }
+    __syncthreads();
+    if (tid == 0) {  // in order (unrolled: the 64 loads are issued together)
+        float acc = 0.f;
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
+        for (int i = 0; i < CHUNK; ++i) { acc += gam[i]; gam[i] = acc; }
+    }
+    __syncthreads();
+    // A and QK on the 136 4x4 tiles on or below the diagonal, one per thread (tile rows p and
+    // 15 − p paired: 17 tiles per pair); QK goes straight to the scratch (float4 rows), Aᵀ to
+    // shared memory. The QK tiles above the diagonal are zero.
+    if (tid < 136) {
+        const int p = tid / 17, k = tid % 17;
+        const int i0 = 4 * (k <= p ? p : 15 - p), m0 = 4 * (k <= p ? k : k - p - 1);
+        float kk[4][4], qk[4][4];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) kk[r][c] = qk[r][c] = 0.f;
-            if (m0 <= i0 + 3) {
-                for (int d = 0; d < dk; ++d) {
-                    float ki[4], qi[4], km[4];
+        for (int r = 0; r < 4; ++r)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        ki[r] = Ks[(i0 + r) * KS + d];
-                        qi[r] = Qs[(i0 + r) * KS + d];
-                        km[r] = Ks[(m0 + r) * KS + d];
-                    }
+            for (int c = 0; c < 4; ++c) kk[r][c] = qk[r][c] = 0.f;
+        for (int d = 0; d < dk; ++d) {
+            float ki[4], qi[4], km[4];
 #pragma unroll
-                    for (int r = 0; r < 4; ++r)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) {
-                            kk[r][c] += ki[r] * km[c];
-                            qk[r][c] += qi[r] * km[c];
-                        }
-                }
+            for (int r = 0; r < 4; ++r) {
+                ki[r] = Ks[(i0 + r) * KS + d];
+                qi[r] = Xs[(i0 + r) * XS + d];
+                km[r] = Ks[(m0 + r) * KS + d];
             }
 #pragma unroll
             for (int r = 0; r < 4; ++r)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    int i = i0 + r, m = m0 + c;
-                    float dec = m <= i ? expf(gam[i] - gam[m]) : 0.f;
-                    Am[i * 65 + m] = m < i ? bet[i] * kk[r][c] * dec : 0.f;
-                    QK[i * 65 + m] = m <= i ? qk[r][c] * dec : 0.f;
+                    kk[r][c] += ki[r] * km[c];
+                    qk[r][c] += qi[r] * km[c];
                 }
         }
-        __syncthreads();
-        // Forward substitution: (I + A) U = βV, (I + A) W = β e^γ K, row by row.
-        const int ncol = cw + dk;
-        for (int i = 0; i < L; ++i) {
-            for (int c = tid; c < ncol; c += 256) {
-                const float* ar = Am + i * 65;
-                if (c < cw) {
-                    float u = bet[i] * Vs[i * VS + c];
-                    for (int m = 0; m < i; ++m) u -= ar[m] * Us[m * VS + c];
-                    Us[i * VS + c] = u;
-                } else {
-                    int d = c - cw;
-                    float w = bet[i] * expf(gam[i]) * Ks[i * KS + d];
-                    for (int m = 0; m < i; ++m) w -= ar[m] * Ws[m * KS + d];
-                    Ws[i * KS + d] = w;
-                }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            float o[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                int i = i0 + r, m = m0 + c;
+                float dec = m <= i ? expf(gam[i] - gam[m]) : 0.f;
+                At[m * AS + i] = m < i ? bet[i] * kk[r][c] * dec : 0.f;
+                o[c] = m <= i ? qk[r][c] * dec : 0.f;
             }
-            __syncthreads();
+            *(float4*)(QKg + (i0 + r) * CHUNK + m0) = make_float4(o[0], o[1], o[2], o[3]);
         }
-        // Rows ≥ L of U and W are zero (β = 0 there), so Vn is zero there too.
-        for (int i = L + tid; i < CHUNK; i += 256) {
-            for (int c = 0; c < cw; ++c) Us[i * VS + c] = 0.f;
-            for (int d = 0; d < dk; ++d) Ws[i * KS + d] = 0.f;
-        }
-        __syncthreads();
-        // Output tiles of 2 rows x 4 columns (cw = 32) or 1 x 4 (cw = 16).
-        const int cg = cw / 4, rpt = (CHUNK * cg) / 256;  // column groups, rows per thread
-        const int r0 = (tid / cg) * rpt, cc = (tid % cg) * 4;
-        // Vn = U − W·S, kept in registers, then written over U.
-        float vn[2][4];
-        {
+    }
+    for (int idx = tid; idx < CHUNK * CHUNK / 4; idx += 256) {
+        const int i = idx / (CHUNK / 4), g = idx % (CHUNK / 4);
+        if (g > i / 4) *(float4*)(QKg + i * CHUNK + 4 * g) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __syncthreads();
+    // V over Q (rows ≥ L zero, and they stay zero: the substitution only writes rows < L).
+    for (int i = tid; i < CHUNK * dv; i += 256) {
+        int r = i / dv, c = i % dv;
+        Xs[r * XS + c] = r < L ? X[(i64)(t0 + r) * a.C + 2 * key_dim + j * dv + c] : 0.f;
+    }
+    __syncthreads();
+    // Forward substitution, U over V and W over K: u_i = β_i v_i − Σ_{m<i} A[i][m] u_m (W: β_i e^{γ_i}
+    // k_i − ...). A thread owns four of the dv + dk columns (no barrier between rows) and walks them
+    // in blocks of 8 rows: the block first takes the terms of all earlier rows (8 + 4 loads per 32
+    // FMAs), then the terms within the block; every element subtracts m = 0, 1, ..., i−1 in order.
+    // Rows ≥ L are not written (they stay zero).
+    {
+        const int quarter = (dv + dk) / 4;
+        for (int cp = tid; cp < quarter; cp += 256) {
+            float* col[4];
+            int cs[4];
+            bool isw[4];
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
+            for (int q = 0; q < 4; ++q) {
+                const int c = cp + q * quarter;
+                isw[q] = c >= dv;
+                col[q] = isw[q] ? Ks + (c - dv) : Xs + c;
+                cs[q] = isw[q] ? KS : XS;
+            }
+            for (int i0 = 0; i0 < L; i0 += 8) {
+                float acc[8][4];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) vn[r][c] = 0.f;
-            for (int d = 0; d < dk; ++d) {
-                float sv[4];
+                for (int r = 0; r < 8; ++r) {
+                    const int i = i0 + r;
+                    const float bw = bet[i] * expf(gam[i]);
 #pragma unroll
-                for (int c = 0; c < 4; ++c) sv[c] = Ss[d * VS + cc + c];
+                    for (int q = 0; q < 4; ++q) acc[r][q] = (isw[q] ? bw : bet[i]) * col[q][i * cs[q]];
+                }
+                for (int m = 0; m < i0; ++m) {
+                    const float4 a0 = *(const float4*)(At + m * AS + i0), a1 = *(const float4*)(At + m * AS + i0 + 4);
+                    const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                    float u[4];
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    if (r < rpt) {
-                        float w = Ws[(r0 + r) * KS + d];
+                    for (int q = 0; q < 4; ++q) u[q] = col[q][m * cs[q]];
 #pragma unroll
-                        for (int c = 0; c < 4; ++c) vn[r][c] += w * sv[c];
+                    for (int r = 0; r < 8; ++r)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) acc[r][q] -= av[r] * u[q];
+                }
+#pragma unroll
+                for (int r = 1; r < 8; ++r)
+#pragma unroll
+                    for (int r2 = 0; r2 < r; ++r2) {
+                        const float av = At[(i0 + r2) * AS + i0 + r];
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) acc[r][q] -= av * acc[r2][q];
                     }
-                }
-            }
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
+                for (int r = 0; r < 8; ++r)
+                    if (i0 + r < L) {
 #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (r < rpt) vn[r][c] = Us[(r0 + r) * VS + cc + c] - vn[r][c];
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                if (r < rpt) Us[(r0 + r) * VS + cc + c] = vn[r][c];
-        __syncthreads();
-        // O_i = e^{γ_i} q_i·S + Σ_{m≤i} QK[i][m] Vn_m  (QK is zero above the diagonal).
-        {
-            float qs[2][4], qv[2][4];
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) qs[r][c] = qv[r][c] = 0.f;
-            for (int d = 0; d < dk; ++d) {
-                float sv[4];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) sv[c] = Ss[d * VS + cc + c];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    if (r < rpt) {
-                        float q = Qs[(r0 + r) * KS + d];
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) qs[r][c] += q * sv[c];
+                        for (int q = 0; q < 4; ++q) col[q][(i0 + r) * cs[q]] = acc[r][q];
                     }
-                }
-            }
-            for (int m = 0; m < CHUNK; ++m) {
-                float v[4];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) v[c] = Us[m * VS + cc + c];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    if (r < rpt) {
-                        float w = QK[(r0 + r) * 65 + m];
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) qv[r][c] += w * v[c];
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                int i = r0 + r;
-                if (r < rpt && i < L) {
-                    float eg = expf(gam[i]);
-                    float* orow = (float*)a.out + (i64)(t0 + i) * a.Hv * dv + j * dv + col0;
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) orow[cc + c] = eg * qs[r][c] + qv[r][c];
-                }
-            }
-        }
-        __syncthreads();
-        // S ← e^{γ_last} S + Σ_m e^{γ_last−γ_m} k_m ⊗ Vn_m, 4x4 tiles of [dk][cw].
-        const float gl = gam[L - 1], el = expf(gl);
-        if (tid < CHUNK) fac[tid] = tid < L ? expf(gl - gam[tid]) : 0.f;
-        __syncthreads();
-        {
-            const int d0 = (tid / cg) * 4;
-            if (d0 < dk) {
-                float acc[4][4];
-#pragma unroll
-                for (int r = 0; r < 4; ++r)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) acc[r][c] = el * Ss[(d0 + r) * VS + cc + c];
-                for (int m = 0; m < L; ++m) {
-                    float kv[4], v[4];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) kv[r] = fac[m] * Ks[m * KS + d0 + r];
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) v[c] = Us[m * VS + cc + c];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) acc[r][c] += kv[r] * v[c];
-                }
-#pragma unroll
-                for (int r = 0; r < 4; ++r)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) Ss[(d0 + r) * VS + cc + c] = acc[r][c];  // own tile only
             }
         }
     }
     __syncthreads();
-    for (int i = tid; i < dk * cw; i += 256) S[(i / cw) * dv + col0 + i % cw] = Ss[(i / cw) * VS + i % cw];
+    for (int i = tid; i < CHUNK * dk; i += 256) Wg[i] = Ks[(i / dk) * KS + i % dk];
+    for (int i = tid; i < CHUNK * dv; i += 256) Ug[i] = Xs[(i / dv) * XS + i % dv];
+    if (tid < CHUNK) Gg[tid] = gam[tid];
+}
+
+// The sequential part for one value head and a slice of cw state columns (state [dk][cw] in
+// shared memory), chunk by chunk, in three phases (inputs in brackets):
+//   A: Vn = U − W·S and q·S, sharing the loads of S     (W, U slice, Q)
+//   B: O_i = e^{γ_i} q_i·S + Σ_{m≤i} QK[i][m] Vn_m        (QK, γ)
+//   C: S ← e^{γ_last} S + Σ_m e^{γ_last−γ_m} k_m ⊗ Vn_m   (K)
+// Each phase's inputs are one cp.async group, issued into its single buffer as soon as the
+// previous chunk's phase has read it, so each lands during the two phases before its use.
+// grid = (Hv, dv / cw), block 256. out [T, Hv*dv] (pre-norm); the state is updated in place.
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs a) {
+    extern __shared__ __align__(16) float sm[];
+    const int j = blockIdx.x, col0 = blockIdx.y * a.cw, cw = a.cw, tid = threadIdx.x;
+    const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk, n = a.nchunks;
+    const int KS = dk + 4, VS = cw + 4, QS = CHUNK + 4;  // row strides (16-byte rows)
+    float* Ss = sm;                  // [dk][VS]
+    float* Vn = Ss + dk * VS;        // [64][VS]
+    float* Ub = Vn + CHUNK * VS;     // [64][VS]
+    float* Wb = Ub + CHUNK * VS;     // [64][KS]
+    float* Qb = Wb + CHUNK * KS;     // [64][KS]
+    float* Kb = Qb + CHUNK * KS;     // [64][KS]
+    float* QKb = Kb + CHUNK * KS;    // [64][QS]
+    float* gam = QKb + CHUNK * QS;   // [64]
+    float* fac = gam + CHUNK;        // [64]
+    const i64 E = (i64)CHUNK * (dk + dv + CHUNK + 1);
+    const float* G0 = (const float*)a.scratch + (i64)j * n * E;
+    const float* X = (const float*)a.x;
+    float* S = (float*)a.state + (i64)j * dk * dv;
+    const int kq = dk / 4, cq = cw / 4;  // 16-byte pieces per row
+    // Rows of chunk c of x from column col (q or k of key head kh), zero past T.
+    auto load_x = [&](float* buf, int col, int c) {
+        const int t0 = c * CHUNK, L = min(CHUNK, a.T - t0);
+        for (int i = tid; i < CHUNK * kq; i += 256) {
+            const int r = i / kq, q = i % kq;
+            const bool ok = r < L;
+            cp_async16(buf + r * KS + 4 * q, X + (i64)(ok ? t0 + r : 0) * a.C + col + 4 * q, ok);
+        }
+    };
+    auto load_a = [&](int c) {
+        const float* G = G0 + c * E;
+        for (int i = tid; i < CHUNK * kq; i += 256) {
+            const int r = i / kq, q = i % kq;
+            cp_async16(Wb + r * KS + 4 * q, G + r * dk + 4 * q, true);
+        }
+        for (int i = tid; i < CHUNK * cq; i += 256) {
+            const int r = i / cq, q = i % cq;
+            cp_async16(Ub + r * VS + 4 * q, G + CHUNK * dk + r * dv + col0 + 4 * q, true);
+        }
+        load_x(Qb, kh * dk, c);
+    };
+    auto load_b = [&](int c) {
+        const float* G = G0 + c * E + CHUNK * (dk + dv);
+        for (int i = tid; i < CHUNK * (CHUNK / 4); i += 256) {
+            const int r = i / (CHUNK / 4), q = i % (CHUNK / 4);
+            cp_async16(QKb + r * QS + 4 * q, G + r * CHUNK + 4 * q, true);
+        }
+        if (tid < CHUNK / 4) cp_async16(gam + 4 * tid, G + CHUNK * CHUNK + 4 * tid, true);
+    };
+    for (int i = tid; i < dk * cw; i += 256) Ss[(i / cw) * VS + i % cw] = S[(i64)(i / cw) * dv + col0 + i % cw];
+    if (n > 0) load_a(0);
+    cp_async_commit();
+    if (n > 0) load_b(0);
+    cp_async_commit();
+    // Phases A and B: output tiles of 2 rows x 4 columns (cw = 32) or 1 x 4 (cw = 16).
+    const int cg = cw / 4, rpt = cw / 16;  // column groups, rows per thread
+    const int r0 = (tid / cg) * rpt, cc = (tid % cg) * 4;
+    // QK is zero above the diagonal: the rows of this warp need QK columns m < mend only.
+    const int mend = min(CHUNK, ((((tid | 31) / cg) * rpt + rpt - 1) & ~3) + 4);
+    for (int c = 0; c < n; ++c) {
+        const int t0 = c * CHUNK, L = min(CHUNK, a.T - t0);
+        cp_async_wait<1>();  // W, U, Q of chunk c (pending: QK, γ of chunk c)
+        __syncthreads();     // and phase C of chunk c−1 is done: S complete, K buffer free
+        load_x(Kb, key_dim + kh * dk, c);
+        cp_async_commit();
+        // A: Vn = U − W·S and qs = Q·S (kept in registers for phase B).
+        float qs[2][4];
+        {
+            float acc[2][4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[r][q] = qs[r][q] = 0.f;
+#pragma unroll 2
+            for (int d = 0; d < dk; d += 4) {
+                float4 s[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[e] = *(const float4*)(Ss + (d + e) * VS + cc);
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    if (r < rpt) {
+                        gdn_chunk_fma4(acc[r], *(const float4*)(Wb + (r0 + r) * KS + d), s);
+                        gdn_chunk_fma4(qs[r], *(const float4*)(Qb + (r0 + r) * KS + d), s);
+                    }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                if (r < rpt) {
+                    const float4 u = *(const float4*)(Ub + (r0 + r) * VS + cc);
+                    *(float4*)(Vn + (r0 + r) * VS + cc) = make_float4(u.x - acc[r][0], u.y - acc[r][1], u.z - acc[r][2], u.w - acc[r][3]);
+                }
+        }
+        cp_async_wait<1>();  // QK, γ of chunk c (pending: K of chunk c)
+        __syncthreads();     // Vn complete; W, U, Q buffers free
+        if (c + 1 < n) load_a(c + 1);
+        cp_async_commit();
+        // B: O_i = e^{γ_i} q_i·S + Σ_{m≤i} QK[i][m] Vn_m; the decay factors of phase C.
+        float el;
+        {
+            float qv[2][4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) qv[r][q] = 0.f;
+            for (int m = 0; m < mend; m += 4) {
+                float4 v[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) v[e] = *(const float4*)(Vn + (m + e) * VS + cc);
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    if (r < rpt) gdn_chunk_fma4(qv[r], *(const float4*)(QKb + (r0 + r) * QS + m), v);
+            }
+            const float gl = gam[L - 1];
+            el = expf(gl);
+            if (tid < CHUNK) fac[tid] = tid < L ? expf(gl - gam[tid]) : 0.f;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = r0 + r;
+                if (r < rpt && i < L) {
+                    const float eg = expf(gam[i]);
+                    float* orow = (float*)a.out + (i64)(t0 + i) * a.Hv * dv + j * dv + col0 + cc;
+                    *(float4*)orow = make_float4(eg * qs[r][0] + qv[r][0], eg * qs[r][1] + qv[r][1], eg * qs[r][2] + qv[r][2], eg * qs[r][3] + qv[r][3]);
+                }
+            }
+        }
+        cp_async_wait<1>();  // K of chunk c (pending: W, U, Q of chunk c+1)
+        __syncthreads();     // fac written; QK, γ buffers free
+        if (c + 1 < n) load_b(c + 1);
+        cp_async_commit();
+        // C: S ← e^{γ_last} S + Σ_{m<L} e^{γ_last−γ_m} k_m ⊗ Vn_m, 4x8 tiles of [dk][cw] (for the
+        // 35B: 128 tiles, threads 0..127; 13 loads per 32 FMAs).
+        for (int t = tid; t < (dk / 4) * (cw / 8); t += 256) {
+            const int d0 = (t / (cw / 8)) * 4, c0 = (t % (cw / 8)) * 8;
+            float acc[4][8];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const float4 s0 = *(const float4*)(Ss + (d0 + r) * VS + c0), s1 = *(const float4*)(Ss + (d0 + r) * VS + c0 + 4);
+                const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[r][q] = el * sv[q];
+            }
+#pragma unroll 2
+            for (int m = 0; m < L; ++m) {
+                const float f = fac[m];
+                const float4 k = *(const float4*)(Kb + m * KS + d0);
+                const float4 v0 = *(const float4*)(Vn + m * VS + c0), v1 = *(const float4*)(Vn + m * VS + c0 + 4);
+                const float kv[4] = {f * k.x, f * k.y, f * k.z, f * k.w};
+                const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[r][q] += kv[r] * vv[q];
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {  // own tile
+                *(float4*)(Ss + (d0 + r) * VS + c0) = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+                *(float4*)(Ss + (d0 + r) * VS + c0 + 4) = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int i = tid; i < dk * cw; i += 256) S[(i64)(i / cw) * dv + col0 + i % cw] = Ss[(i / cw) * VS + i % cw];
 }
 
 struct GNormArgs {
@@ -317,101 +435,284 @@ struct GdnDecodeArgs {
     float eps, pad1;
 };
 
-#define GDN_MAXR 32
-#define GDN_THREADS 512
+// Decode: GDN_NS blocks per value head, each owning dv/GDN_NS state columns (all dk rows). On
+// sm_90+ the GDN_NS blocks of a head form one thread-block cluster (compile-time
+// __cluster_dims__, so plain, PDL and graph-captured launches all get it) and exchange the
+// partial sums of squares of the gated RMSNorm through distributed shared memory. Before sm_90
+// there are no clusters: the kernel writes the pre-norm output and the launcher runs
+// gdn_gated_norm on it in place.
+#define GDN_NS 4        // blocks (cluster size) per value head = ops/deltanet.rs DECODE_SPLIT
+#define GDN_THREADS 256 // = DECODE_THREADS
+#define GDN_MAXR 16     // state rows per thread = DECODE_MAX_ROWS
+#define GDN_NCPT 3      // conv channels per thread: 2·dk + dv/GDN_NS <= GDN_NCPT·GDN_THREADS
 
-// One decode token, one value head per block (512 threads): conv + SiLU of the head's q/k/v
-// channels, L2 norms, gates, the delta rule on the state held in registers (each thread one
-// column and every RG-th row), output and gated RMSNorm.
-extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_decode(const GdnDecodeArgs a) {
-    __shared__ float vals[3 * 256];
-    __shared__ float red[32];
-    __shared__ float part[GDN_THREADS];
-    const int j = blockIdx.x, tid = threadIdx.x;
-    const int dk = a.dk, dv = a.dv, C = a.C, KC = a.KC, rvk = a.Hv / a.Hk, kh = j / rvk, key_dim = a.Hk * dk;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GDN_CLUSTER 1
+#define GDN_CLUSTER_DIMS __cluster_dims__(GDN_NS, 1, 1)
+#else
+#define GDN_CLUSTER 0
+#define GDN_CLUSTER_DIMS
+#endif
+
+// 4-byte asynchronous copy global -> shared (no register, no stall until cp_async_wait).
+DEVI void gdn_cp_async4(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
+}
+
+// Waits for this thread's cp.async copies; a compiler barrier too, so loads issued before it in
+// the source are not sunk below it.
+DEVI void gdn_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+#if GDN_CLUSTER
+DEVI u32 gdn_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+DEVI void gdn_cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+DEVI void gdn_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+DEVI void gdn_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// Stores v into the copy of the shared variable `local` that cluster block `rank` holds.
+DEVI void gdn_st_cluster(const void* local, u32 rank, float v) {
+    u32 addr;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(addr) : "r"(smem_u32(local)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+#endif
+
+struct GdnDecodeSmem {
+    float* cwin;   // [2·KC−1][nch]: old conv window taps 0..KC−2, then conv weights 0..KC−1
+    float* sst;    // [GDN_MAXR][GDN_THREADS]: the state rows of each thread (general dims only)
+    float* vals;   // [nch] conv + SiLU: q [dk] | k [dk] | own v [CW]
+    float* part;   // [GDN_THREADS] kᵀS partials
+    float* part2;  // [GDN_THREADS] qᵀS partials
+    float* ssq;    // [GDN_NS][2] partial sums of squares, [cluster rank][warp]
+};
+
+// One decode token. grid = Hv·GDN_NS: block b is value head j = b / GDN_NS, columns
+// [sp·CW, sp·CW + CW) with sp = b % GDN_NS, CW = dv / GDN_NS; block GDN_THREADS.
+//
+// Thread (c = tid % CW, rg = tid / CW) holds state column c, rows rg, rg + RG, ... (RG = 256/CW):
+// in registers when the dims are constants (the Qwen shape; the addresses are then immediates),
+// else in its own slots of shared memory (sv below): with run-time dims and the rows in
+// registers ptxas needs ~110 registers for the whole kernel instead of ~80.
+//
+// Every block recomputes what is per head and cheap: the conv + SiLU of the head's q and k
+// channels (2·dk), their L2 norms and the gates; the v channels are convolved only for the
+// block's own CW columns.
+//
+// Conv state (race-free by construction):
+//  * every read of the conv state goes to buffer pos&1, every write to buffer (pos+1)&1: disjoint
+//    memory, so no write of this launch can reach a value that a block of it reads, whatever the
+//    order in which blocks run;
+//  * each element of buffer (pos+1)&1 is written by exactly one block: a v channel by the block
+//    that owns the column; q/k channel i (local index in [0, 2·dk)) of key head kh by block
+//    sp = i / ceil(2·dk / GDN_NS) of value head kh·(Hv/Hk), the first value head of kh. All C
+//    channels and all KC−1 rows are rewritten, so the buffer is complete for the next step;
+//  * across launches: buffer (pos+1)&1 was last read, and buffer pos&1 last written, by the
+//    previous step's launch of this layer (or by prefill), which has completed: stream order; in
+//    the decode graph the step's first kernel is a plain launch and a PDL kernel passes pdl_wait
+//    only once its predecessor has completed. This kernel writes nothing before pdl_enter().
+//
+// Before pdl_enter() only data that no kernel of this step writes is requested: the state rows,
+// the position, the conv weights and the old conv window (cp.async into shared
+// memory), a_log, dt_bias and the norm weights. After it: q/k/v, z, b and a of this step.
+//
+// KCT, DKT, DVT > 0: KC, dk, dv as constants (equal to a.KC, a.dk, a.dv); 0: read at run time.
+template <int KCT, int DKT, int DVT>
+DEVI void gdn_decode_body(const GdnDecodeArgs& a, const GdnDecodeSmem& sm) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int j = blockIdx.x / GDN_NS, sp = blockIdx.x % GDN_NS;
+    const int dk = DKT > 0 ? DKT : a.dk, dv = DVT > 0 ? DVT : a.dv, C = a.C, KC = KCT > 0 ? KCT : a.KC;
+    const int rvk = a.Hv / a.Hk, kh = j / rvk, key_dim = a.Hk * dk;
+    const int CW = dv / GDN_NS, col0 = sp * CW, nch = 2 * dk + CW;
+    const int RG = GDN_THREADS / CW;
+    const int c = tid % CW, rg = tid / CW;
+    const bool act = rg < RG;
+    float* cwin = sm.cwin;
+    // The state (the kernel's main traffic) is requested first.
+    constexpr bool SREG = DKT > 0 && DVT > 0;  // state rows in registers (else shared memory)
+    float* S = (float*)a.state + (i64)j * dk * dv + col0 + c;
+    float s[GDN_MAXR];
+    float* sst = sm.sst + tid;
+    auto sv = [&](int m) -> float& {
+        if constexpr (SREG)
+            return s[m];
+        else
+            return sst[m * GDN_THREADS];
+    };
+#pragma unroll
+    for (int m = 0; m < GDN_MAXR; ++m) {
+        const int i = rg + m * RG;
+        if constexpr (SREG)
+            s[m] = (act && i < dk) ? S[i * dv] : 0.f;
+        else if (act && i < dk)
+            gdn_cp_async4(&sst[m * GDN_THREADS], S + i * dv);  // read back by this thread only
+    }
+    // Local conv channel i -> global channel: q of key head kh, k of kh, v of the own columns.
+    auto chan = [&](int i) -> int {
+        return i < dk ? kh * dk + i : i < 2 * dk ? key_dim + kh * dk + (i - dk) : 2 * key_dim + j * dv + col0 + (i - 2 * dk);
+    };
+    const float* cw_g = (const float*)a.conv_w;
+    for (int i = tid; i < nch; i += GDN_THREADS) {
+        const float* w = cw_g + (i64)chan(i) * KC;
+#pragma unroll(KCT > 0 ? KCT : 1)
+        for (int tap = 0; tap < KC; ++tap) gdn_cp_async4(&cwin[(KC - 1 + tap) * nch + i], w + tap);
+    }
+    // The state and the position were last written by the previous decode step.
     const int pos = a.pos_ptr ? *(const int*)a.pos_ptr : a.pos;
     const float* st_in = (const float*)a.conv_state + (i64)(pos & 1) * (KC - 1) * C;
     float* st_out = (float*)a.conv_state + (i64)((pos + 1) & 1) * (KC - 1) * C;
-    const float* x = (const float*)a.qkv;
-    // The state (the kernel's main traffic) is requested first, so that its loads overlap the
-    // conv and norm phase. Thread (column c, row group rg) holds rows rg, rg + RG, ...
-    const int RG = GDN_THREADS / dv;
-    const int c = tid % dv, rg = tid / dv;
-    const bool act = rg < RG;
-    float* S = (float*)a.state + (i64)j * dk * dv;
-    float s[GDN_MAXR];
-#pragma unroll
-    for (int m = 0; m < GDN_MAXR; ++m) {
-        int i = rg + m * RG;
-        s[m] = (act && i < dk) ? S[(i64)i * dv + c] : 0.f;
-    }
-    // The state and the position were last written by the previous decode step (a previous graph
-    // launch); everything below reads this step's projections.
-    pdl_enter();
-    // Conv of q (dk), k (dk), v (dv) channels of this head -> vals.
-    const int nch = 2 * dk + dv;
     for (int i = tid; i < nch; i += GDN_THREADS) {
-        int ch = i < dk ? kh * dk + i : i < 2 * dk ? key_dim + kh * dk + (i - dk) : 2 * key_dim + j * dv + (i - 2 * dk);
-        const float* w = (const float*)a.conv_w + (i64)ch * KC;
-        float s = 0.f;
-        for (int tap = 0; tap < KC - 1; ++tap) s += w[tap] * st_in[(i64)tap * C + ch];
-        float xv = x[ch];
-        s += w[KC - 1] * xv;
-        vals[i] = siluf_(s);
-        bool owner = i < 2 * dk ? (j % rvk == 0) : true;
-        if (owner) {
-            for (int r = 0; r + 1 < KC - 1; ++r) st_out[(i64)r * C + ch] = st_in[(i64)(r + 1) * C + ch];
-            if (KC > 1) st_out[(i64)(KC - 2) * C + ch] = xv;
+        const int ch = chan(i);
+#pragma unroll(KCT > 0 ? KCT : 1)
+        for (int tap = 0; tap < KC - 1; ++tap) gdn_cp_async4(&cwin[tap * nch + i], st_in + (i64)tap * C + ch);
+    }
+    const float alog = ((const float*)a.a_log)[j], dtb = ((const float*)a.dt_bias)[j];
+    const float nw = tid < CW ? ((const float*)a.norm_w)[col0 + tid] : 0.f;
+    pdl_enter();
+    // This step's projections, all requested at once.
+    const float* x = (const float*)a.qkv;
+    float xr[GDN_NCPT];
+#pragma unroll
+    for (int n = 0; n < GDN_NCPT; ++n) {
+        const int i = tid + n * GDN_THREADS;
+        xr[n] = i < nch ? __ldcg(x + chan(i)) : 0.f;
+    }
+    const float bj = __ldcg((const float*)a.b + j), aj = __ldcg((const float*)a.a + j);
+    const float zz = tid < CW ? __ldcg((const float*)a.z + (i64)j * dv + col0 + tid) : 0.f;
+    gdn_cp_async_wait_all();  // own copies only: a thread reads just the channels it copied
+#pragma unroll
+    for (int n = 0; n < GDN_NCPT; ++n) {
+        const int i = tid + n * GDN_THREADS;
+        if (i < nch) {
+            const float* wi = cwin + i;  // old window tap t: wi[t·nch]; weight t: wi[(KC−1+t)·nch]
+            float acc = 0.f;
+#pragma unroll(KCT > 0 ? KCT : 1)
+            for (int tap = 0; tap < KC - 1; ++tap) acc += wi[(KC - 1 + tap) * nch] * wi[tap * nch];
+            acc += wi[(2 * KC - 2) * nch] * xr[n];
+            sm.vals[i] = siluf_(acc);
         }
     }
     __syncthreads();
-    float* q = vals;
-    float* k = vals + dk;
-    float* v = vals + 2 * dk;
+    const float* q = sm.vals;
+    const float* k = sm.vals + dk;
+    const float* v = sm.vals + 2 * dk;
+    // L2 norms of q and k: every warp computes both (the same way in every warp and block), so
+    // no block reduction is needed; the normalised values are formed where they are used.
     float sq = 0.f, sk = 0.f;
-    for (int i = tid; i < dk; i += GDN_THREADS) { sq += q[i] * q[i]; sk += k[i] * k[i]; }
-    sq = block_sum(sq, red);
-    sk = block_sum(sk, red);
+#pragma unroll 4
+    for (int e = lane; e < dk; e += 32) {
+        sq += q[e] * q[e];
+        sk += k[e] * k[e];
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
     const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f), qs = 1.f / sqrtf((float)dk);
-    __syncthreads();
-    for (int i = tid; i < dk; i += GDN_THREADS) { q[i] = (q[i] * iq) * qs; k[i] = k[i] * ik; }
-    const float beta = 1.f / (1.f + expf(-((const float*)a.b)[j]));
-    const float g = -expf(((const float*)a.a_log)[j]) * softplusf_(((const float*)a.a)[j] + ((const float*)a.dt_bias)[j]);
+    const float beta = 1.f / (1.f + expf(-bj));
+    const float g = -expf(alog) * softplusf_(aj + dtb);
     const float alpha = expf(g);
-    __syncthreads();
+    // S ← α·S; kᵀS of the own columns.
     float mem = 0.f;
 #pragma unroll
     for (int m = 0; m < GDN_MAXR; ++m) {
-        int i = rg + m * RG;
+        const int i = rg + m * RG;
         if (act && i < dk) {
-            s[m] *= alpha;
-            mem += k[i] * s[m];
+            sv(m) *= alpha;
+            mem += (k[i] * ik) * sv(m);
         }
     }
-    part[tid] = act ? mem : 0.f;
+    sm.part[tid] = act ? mem : 0.f;
     __syncthreads();
     float r = 0.f;
-    if (act) for (int q2 = 0; q2 < RG; ++q2) r += part[q2 * dv + c];
+    if (act) {
+#pragma unroll 8
+        for (int q2 = 0; q2 < RG; ++q2) r += sm.part[q2 * CW + c];
+    }
     const float delta = act ? (v[c] - r) * beta : 0.f;
+    // S ← S + k ⊗ δ, o = qᵀS (S is stored at the end).
     float o = 0.f;
 #pragma unroll
     for (int m = 0; m < GDN_MAXR; ++m) {
-        int i = rg + m * RG;
+        const int i = rg + m * RG;
         if (act && i < dk) {
-            s[m] += k[i] * delta;
-            S[(i64)i * dv + c] = s[m];
-            o += q[i] * s[m];
+            sv(m) += (k[i] * ik) * delta;
+            o += ((q[i] * iq) * qs) * sv(m);
         }
     }
+    sm.part2[tid] = act ? o : 0.f;
     __syncthreads();
-    part[tid] = act ? o : 0.f;
-    __syncthreads();
+    // Threads tid < CW (row group 0) own the output columns.
     float oc = 0.f;
-    if (act && rg == 0) for (int q2 = 0; q2 < RG; ++q2) oc += part[q2 * dv + c];
-    float ss = block_sum(act && rg == 0 ? oc * oc : 0.f, red);
-    const float inv = 1.f / sqrtf(ss / dv + a.eps);
-    if (act && rg == 0) {
-        float zz = ((const float*)a.z)[j * dv + c];
-        ((float*)a.out)[j * dv + c] = oc * inv * ((const float*)a.norm_w)[c] * siluf_(zz);
+    if (tid < CW) {
+#pragma unroll 8
+        for (int q2 = 0; q2 < RG; ++q2) oc += sm.part2[q2 * CW + tid];
     }
+    float* out = (float*)a.out + (i64)j * dv + col0;
+#if GDN_CLUSTER
+    // Gated RMSNorm over the head's dv columns: each output warp's sum of squares goes to slot
+    // [own rank][warp] of every block of the cluster; after the barrier every block adds the
+    // same slots in the same order (ranks 0..GDN_NS−1), so all blocks of the head use the same
+    // sum. No global store is issued before the barrier: its release (a MEMBAR) then waits for
+    // the remote stores only.
+    const int OW = (CW + 31) / 32;  // output warps (CW <= 64)
+    const float ssw = warp_sum(oc * oc);
+    gdn_cluster_wait();  // paired with the arrive at kernel entry: every block has started
+    if (lane == 0 && warp < OW) {
+        const u32 rank = gdn_cluster_rank();
+#pragma unroll
+        for (u32 t = 0; t < GDN_NS; ++t) gdn_st_cluster(&sm.ssq[rank * 2 + warp], t, ssw);
+    }
+    gdn_cluster_arrive();
+    gdn_cluster_wait();  // no block touches another's shared memory after this point
+    if (tid < CW) {
+        float ss = 0.f;
+        for (int t = 0; t < GDN_NS; ++t)
+            for (int w = 0; w < OW; ++w) ss += sm.ssq[t * 2 + w];
+        const float inv = 1.f / sqrtf(ss / dv + a.eps);
+        out[tid] = oc * inv * nw * siluf_(zz);
+    }
+#else
+    if (tid < CW) out[tid] = oc;  // pre-norm; the launcher runs gdn_gated_norm in place
+    (void)nw;
+    (void)zz;
+    (void)lane;
+    (void)warp;
+#endif
+    // The new state, then the conv state (owners only, see above).
+#pragma unroll
+    for (int m = 0; m < GDN_MAXR; ++m) {
+        const int i = rg + m * RG;
+        if (act && i < dk) S[i * dv] = sv(m);
+    }
+    const int qk_per = (2 * dk + GDN_NS - 1) / GDN_NS;
+#pragma unroll
+    for (int n = 0; n < GDN_NCPT; ++n) {
+        const int i = tid + n * GDN_THREADS;
+        const bool owner = i < 2 * dk ? (j % rvk == 0 && i / qk_per == sp) : i < nch;
+        if (owner) {
+            const int ch = chan(i);
+            const float* wi = cwin + i;
+#pragma unroll(KCT > 0 ? KCT : 1)
+            for (int r2 = 0; r2 + 1 < KC - 1; ++r2) st_out[(i64)r2 * C + ch] = wi[(r2 + 1) * nch];
+            if (KC > 1) st_out[(i64)(KC - 2) * C + ch] = xr[n];
+        }
+    }
+}
+
+extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_decode(const GdnDecodeArgs a) {
+    // Dynamic (ops/deltanet.rs decode_smem): (2·KC−1)·nch floats, then GDN_MAXR·GDN_THREADS.
+    extern __shared__ float gdn_cwin[];
+    __shared__ float vals[GDN_NCPT * GDN_THREADS];
+    __shared__ float part[GDN_THREADS], part2[GDN_THREADS];
+    __shared__ float ssq[GDN_NS * 2];
+#if GDN_CLUSTER
+    gdn_cluster_arrive_relaxed();  // paired with the first wait, before any remote store
+#endif
+    const int nch = 2 * a.dk + a.dv / GDN_NS;
+    const GdnDecodeSmem sm{gdn_cwin, gdn_cwin + (2 * a.KC - 1) * nch, vals, part, part2, ssq};
+    if (a.KC == 4 && a.dk == 128 && a.dv == 128)  // Qwen3.5/3.6, Qwen3-Next
+        gdn_decode_body<4, 128, 128>(a, sm);
+    else
+        gdn_decode_body<0, 0, 0>(a, sm);
 }

@@ -1,13 +1,21 @@
 // Prefill GEMMs on tensor cores: out[n, r] = Σ_k x[n, k] · W[r, k] for many tokens n.
 //
-// Shapes: W [E·rows_e, kpad] (Q4 or BF16; E = 1 for a plain weight), x [*, ldx] f32,
-// out [*, ldo] f32. A block computes a BM x BN tile (BM = 128 weight rows, BN = 64 or 128
-// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens). Weights are copied to
-// shared memory with cp.async (the 4-bit tile is dequantised in registers, never in memory);
-// x is read as f32, rounded to bf16 and stored with its per-group sums. Two stages.
+// Shapes: W [E·rows_e, kpad] (Q4 or BF16; E = 1 for a plain weight); out [*, ldo] f32. The
+// activations come prepared once per call by gemm_xprep: xb bf16 [*, kpad] (x rounded, zero beyond
+// K) and xs f32 [*, kpad/64] (the sum of each 64-group of the rounded values, which folds the Q4
+// +128 offset out). A block computes a BM x BN tile (BM = 128 weight rows, BN = 32, 64 or 128
+// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens).
+//
+// Main loop: an S-stage cp.async pipeline (S per kernel: GemmCfg). A stage holds one k-step: the
+// weight tile (4-bit words + scale/bias words, or bf16 rows), the bf16 rows of the block's tokens
+// and their two group sums. The prologue issues k-steps 0..S-2; step kt waits for its group, syncs,
+// issues k-step kt+S-1 into the stage step kt-1 used, then computes, so S-1 k-steps are in flight.
+// Tokens beyond the tile's count and weight rows beyond M are zero-filled (no memory read). The
+// 4-bit tile is dequantised in registers, never in memory. The epilogue reuses the stage memory
+// (after the last group is drained).
 //
 // Grouped mode (MoE): `tiles` lists {expert, first list position, count}; the block's tokens are
-// list positions p = first + i, reading x row x_rows[p] (or p) and writing out row p.
+// list positions p = first + i, reading prepared row x_rows[p] (or p) and writing out row p.
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
 // same row indices; the block writes silu(gate) · up for 64 output rows.
 
@@ -19,15 +27,66 @@
 #define AB_STRIDE (BK + 8)      // bf16 elements per A row (BF16 format)
 
 struct GemmArgs {
-    u64 w, sb, w2, sb2, x, x_rows, out, tiles, num_tiles;
+    u64 w, sb, w2, sb2, x, xs, x_rows, out, tiles, num_tiles;
     int M, rows_e, K, kpad;
-    int ldx, ldo, T, pad;
+    int ldo, T, pad0, pad1;
 };
 
-template <int FMT>
-struct AStage {
-    static constexpr int BYTES = FMT == FMT_Q4 ? BM * 64 + BM * 8 : BM * AB_STRIDE * 2;
+// Per-kernel sizes. Keep STAGES in step with ops::gemm_stages (crates/orchid-cuda/src/ops/mod.rs).
+// BN 32/64 (Q4) and BN 64 (BF16) stay within 113 KB so that two blocks share an SM.
+template <int FMT, int BN>
+struct GemmCfg {
+    static constexpr int A_BYTES = FMT == FMT_Q4 ? BM * 64 + BM * 8 : BM * AB_STRIDE * 2;
+    static constexpr int B_BYTES = BN * BS_STRIDE * 2;
+    static constexpr int STAGE = A_BYTES + B_BYTES + BN * 2 * 4;
+    static constexpr int STAGES = FMT == FMT_Q4 ? (BN == 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
+    static constexpr int EPI = BN * (BM + 4) * 4;  // epilogue tile (PAIR uses less)
+    static constexpr int SMEM = STAGES * STAGE > EPI ? STAGES * STAGE : EPI;
 };
+static_assert(GemmCfg<FMT_Q4, 32>::SMEM == 109056, "ops::gemm_smem");
+static_assert(GemmCfg<FMT_Q4, 64>::SMEM == 108544, "ops::gemm_smem");
+static_assert(GemmCfg<FMT_Q4, 128>::SMEM == 225280, "ops::gemm_smem");
+static_assert(GemmCfg<FMT_BF16, 32>::SMEM == 175104, "ops::gemm_smem");
+static_assert(GemmCfg<FMT_BF16, 64>::SMEM == 105472, "ops::gemm_smem");
+static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
+
+// 8-byte async copy global -> shared; zero-fills when !pred (src-size 0: nothing is read).
+DEVI void cp_async8(void* smem, const void* gmem, bool pred) {
+    int n = pred ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
+}
+
+// x f32 [rows, ldx] -> xb bf16 [rows, kpad] (zero for k >= K) and xs f32 [rows, kpad/64], the sum
+// of each 64-group's rounded values (added in 8-element runs per 32-element half, then the two
+// halves: the order the GEMMs have always used). One thread per 32-element segment; a segment pair
+// (one group) is a lane pair. grid.x = ceil(rows * kpad / 32 / 256).
+extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __restrict__ x, __nv_bfloat16* __restrict__ xb,
+                                                             float* __restrict__ xs, int rows, int ldx, int K, int kpad) {
+    const int nseg = kpad >> 5;  // even (kpad % 128 == 0), so a group's halves are lanes 2i, 2i+1
+    const i64 i = (i64)blockIdx.x * 256 + threadIdx.x;
+    const bool live = i < (i64)rows * nseg;  // rows * nseg is even: a pair is live or dead together
+    const i64 row = live ? i / nseg : 0;
+    const int seg = live ? (int)(i - row * nseg) : 0;
+    const int k = seg * 32;
+    float s = 0.f;
+    if (live) {
+        const float4* src = (const float4*)(x + row * ldx + k);
+        uint4* dst = (uint4*)(xb + row * kpad + k);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            float4 p = k + 8 * v < K ? src[2 * v] : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 r = k + 8 * v + 4 < K ? src[2 * v + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
+            uint4 o;
+            o.x = pack_bf16(p.x, p.y); o.y = pack_bf16(p.z, p.w);
+            o.z = pack_bf16(r.x, r.y); o.w = pack_bf16(r.z, r.w);
+            s += bf16_lo(o.x) + bf16_hi(o.x) + bf16_lo(o.y) + bf16_hi(o.y) + bf16_lo(o.z) + bf16_hi(o.z) +
+                 bf16_lo(o.w) + bf16_hi(o.w);
+            dst[v] = o;
+        }
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (live && (seg & 1) == 0) xs[row * (kpad >> 6) + (seg >> 1)] = s;
+}
 
 // B fragments of NT n8 tiles (tokens nbase.., k0..k0+15) from the bf16 tile [token][BS_STRIDE].
 template <int NT>
@@ -46,10 +105,14 @@ DEVI void load_b(u32 (&b)[NT][2], const __nv_bfloat16* Bh, int nbase, int k0, in
 
 template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
+    using Cfg = GemmCfg<FMT, BN>;
     constexpr int NT = BN / 32;                 // n8 tiles per warp
-    constexpr int A_BYTES = AStage<FMT>::BYTES;
-    constexpr int B_BYTES = BN * BS_STRIDE * 2;
-    constexpr int STAGE = A_BYTES + B_BYTES + BN * 2 * 4;
+    constexpr int A_BYTES = Cfg::A_BYTES;
+    constexpr int B_BYTES = Cfg::B_BYTES;
+    constexpr int STAGE = Cfg::STAGE;
+    constexpr int S = Cfg::STAGES;
+    constexpr int BR = BN / 16;                 // B rows per thread per stage (16 threads per row)
+    constexpr int OUTW = PAIR ? BM / 2 : BM;    // output rows per block
     extern __shared__ __align__(16) unsigned char smem[];
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -66,81 +129,64 @@ DEVI void gemm_body(const GemmArgs& a) {
         count = min(BN, a.T - start);
     }
     const int* x_rows = (const int*)a.x_rows;
-    const int out_rows_per_block = PAIR ? BM / 2 : BM;
-    const int m0 = blockIdx.x * out_rows_per_block;  // first output row (within the expert)
+    const int m0 = blockIdx.x * OUTW;               // first output row (within the expert)
+    const int mrem = min(OUTW, a.M - m0);           // output rows of this block that exist
     const i64 wrow0 = (i64)expert * a.rows_e + m0;  // first weight row
     const int nk = a.kpad / BK;
 
-    // ---- loaders ----
-    auto load_a = [&](int kt, int st) {
+    // This thread's copy sources at k-step 0; a k-step advances them by a fixed stride. A copy of
+    // a row that does not exist (weight row beyond M, token beyond count) reads nothing (zero-fill)
+    // and keeps a valid address (row 0 of its tensor). Q4 weights: 16-byte chunk (tid & 3) of tile
+    // rows tid >> 2 and tid >> 2 + 64 (PAIR: row tid >> 2 of W and of W2), scale/bias words of
+    // tile row tid < 128; BF16 weights: chunk (tid & 15) of tile rows tid >> 4 + 16 i. Tokens:
+    // chunk (tid & 15) of tokens tid >> 4 + 16 i; group sums of token tid < BN.
+    constexpr int QA = FMT == FMT_Q4 ? 2 : BM * 16 / 256;  // weight chunks per thread
+    constexpr int A_STEP = FMT == FMT_Q4 ? 64 : 256;       // weight bytes per row per k-step
+    auto a_row = [&](int i) {                               // tile row of weight chunk i
+        return FMT == FMT_Q4 ? (int)(threadIdx.x >> 2) + (BM / 2) * i : (int)(threadIdx.x >> 4) + 16 * i;
+    };
+    auto a_ok = [&](int i) { return (PAIR ? (a_row(i) & (BM / 2 - 1)) : a_row(i)) < mrem; };
+    auto s_ok = [&]() { return (PAIR ? ((int)threadIdx.x & (BM / 2 - 1)) : (int)threadIdx.x) < mrem; };
+    auto b_ok = [&](int i) { return (int)(threadIdx.x >> 4) + 16 * i < count; };
+    auto x_ok = [&]() { return (int)threadIdx.x < count; };  // (only asked for tid < BN)
+    const unsigned char* srcA[QA];
+#pragma unroll
+    for (int i = 0; i < QA; ++i) {
+        const int r = a_row(i), rr = PAIR ? (r & (BM / 2 - 1)) : r;
+        const int ch = FMT == FMT_Q4 ? (threadIdx.x & 3) : (threadIdx.x & 15);
+        const i64 rb = FMT == FMT_Q4 ? a.kpad / 2 : (i64)a.kpad * 2;
+        srcA[i] = (const unsigned char*)((PAIR && r >= BM / 2) ? a.w2 : a.w) + (a_ok(i) ? (wrow0 + rr) * rb + ch * 16 : 0);
+    }
+    const unsigned char* srcS = (const unsigned char*)a.sb;
+    if (FMT == FMT_Q4 && threadIdx.x < BM) {
+        const int q = threadIdx.x;
+        srcS = (const unsigned char*)((PAIR && q >= BM / 2) ? a.sb2 : a.sb);
+        if (s_ok()) srcS += (wrow0 + (PAIR ? (q & (BM / 2 - 1)) : q)) * (a.kpad / 16);
+    }
+    const unsigned char* srcB[BR];
+#pragma unroll
+    for (int i = 0; i < BR; ++i) {
+        const int tk = (threadIdx.x >> 4) + 16 * i;
+        const i64 row = b_ok(i) ? (x_rows ? x_rows[start + tk] : start + tk) : 0;
+        srcB[i] = (const unsigned char*)a.x + row * a.kpad * 2 + (threadIdx.x & 15) * 16;
+    }
+    const unsigned char* srcX = (const unsigned char*)a.xs;
+    if ((int)threadIdx.x < BN && x_ok()) srcX += (i64)(x_rows ? x_rows[start + threadIdx.x] : start + threadIdx.x) * (a.kpad / 16);
+
+    // ---- one k-step into stage st: weights, token rows, group sums (this thread's share) ----
+    auto load_stage = [&](int kt, int st) {
         unsigned char* As = smem + st * STAGE;
-        if (FMT == FMT_Q4) {
-            const i64 rb = a.kpad / 2;
-            for (int c = threadIdx.x; c < BM * 4; c += 256) {
-                int r = c >> 2, ch = c & 3;
-                u64 base = (PAIR && r >= BM / 2) ? a.w2 : a.w;
-                i64 wr = PAIR ? wrow0 + (r & (BM / 2 - 1)) : wrow0 + r;
-                cp_async16(As + r * 64 + ch * 16, (const void*)(base + wr * rb + kt * 64 + ch * 16), true);
-            }
-            unsigned char* Ss = As + BM * 64;
-            for (int r = threadIdx.x; r < BM; r += 256) {
-                u64 base = (PAIR && r >= BM / 2) ? a.sb2 : a.sb;
-                i64 wr = PAIR ? wrow0 + (r & (BM / 2 - 1)) : wrow0 + r;
-                const void* src = (const void*)(base + wr * (a.kpad / 16) + kt * 8);
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(Ss + r * 8)), "l"(src));
-            }
-        } else {
-            const i64 rb = (i64)a.kpad * 2;
-            for (int c = threadIdx.x; c < BM * 16; c += 256) {
-                int r = c >> 4, ch = c & 15;
-                u64 base = (PAIR && r >= BM / 2) ? a.w2 : a.w;
-                i64 wr = PAIR ? wrow0 + (r & (BM / 2 - 1)) : wrow0 + r;
-                cp_async16(As + r * AB_STRIDE * 2 + ch * 16, (const void*)(base + wr * rb + kt * 256 + ch * 16), true);
-            }
+#pragma unroll
+        for (int i = 0; i < QA; ++i) {
+            const int off = FMT == FMT_Q4 ? a_row(i) * 64 + (threadIdx.x & 3) * 16 : a_row(i) * AB_STRIDE * 2 + (threadIdx.x & 15) * 16;
+            cp_async16(As + off, srcA[i] + kt * A_STEP, a_ok(i));
         }
-    };
-    // x: each thread owns (token, 32-k segment) pairs: BN*4 pairs over 256 threads.
-    constexpr int XP = (BN * 4 + 255) / 256;
-    float4 xr[XP][8];
-    auto load_x = [&](int kt) {
+        if (FMT == FMT_Q4 && threadIdx.x < BM) cp_async8(As + BM * 64 + threadIdx.x * 8, srcS + kt * 8, s_ok());
+        unsigned char* Bs = As + A_BYTES;
 #pragma unroll
-        for (int q = 0; q < XP; ++q) {
-            int pi = threadIdx.x + q * 256;
-            if (pi >= BN * 4) break;
-            int tk = pi >> 2, seg = pi & 3;
-            int k = kt * BK + seg * 32;
-            bool ok = tk < count;
-            i64 row = 0;
-            if (ok) row = x_rows ? x_rows[start + tk] : start + tk;
-            const float4* src = (const float4*)((const float*)a.x + row * a.ldx + k);
-#pragma unroll
-            for (int v = 0; v < 8; ++v)
-                xr[q][v] = (ok && k + 4 * v < a.K) ? src[v] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    };
-    auto store_x = [&](int st) {
-        unsigned char* Bs = smem + st * STAGE + A_BYTES;
-        float* Xs = (float*)(Bs + B_BYTES);
-#pragma unroll
-        for (int q = 0; q < XP; ++q) {
-            int pi = threadIdx.x + q * 256;
-            if (pi >= BN * 4) break;  // warp-uniform: BN * 4 is a multiple of 32
-            int tk = pi >> 2, seg = pi & 3;
-            float s = 0.f;
-            uint4* dst = (uint4*)(Bs + (tk * BS_STRIDE + seg * 32) * 2);
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                float4 p = xr[q][2 * v], r = xr[q][2 * v + 1];
-                uint4 o;
-                o.x = pack_bf16(p.x, p.y); o.y = pack_bf16(p.z, p.w);
-                o.z = pack_bf16(r.x, r.y); o.w = pack_bf16(r.z, r.w);
-                s += bf16_lo(o.x) + bf16_hi(o.x) + bf16_lo(o.y) + bf16_hi(o.y) + bf16_lo(o.z) + bf16_hi(o.z) +
-                     bf16_lo(o.w) + bf16_hi(o.w);
-                dst[v] = o;
-            }
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            if ((seg & 1) == 0) Xs[tk * 2 + (seg >> 1)] = s;
-        }
+        for (int i = 0; i < BR; ++i)
+            cp_async16(Bs + ((threadIdx.x >> 4) + 16 * i) * BS_STRIDE * 2 + (threadIdx.x & 15) * 16, srcB[i] + kt * 256, b_ok(i));
+        if ((int)threadIdx.x < BN) cp_async8(Bs + B_BYTES + threadIdx.x * 8, srcX + kt * 8, x_ok());
     };
 
     float tot[4][NT][4];
@@ -151,20 +197,23 @@ DEVI void gemm_body(const GemmArgs& a) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) tot[i][j][c] = 0.f;
 
-    load_a(0, 0);
-    cp_async_commit();
-    load_x(0);
-    store_x(0);
-
-    for (int kt = 0; kt < nk; ++kt) {
-        const int st = kt & 1;
-        if (kt + 1 < nk) {
-            load_a(kt + 1, st ^ 1);
-            load_x(kt + 1);
-        }
+    // Prologue: k-steps 0..S-2, one commit group each (empty groups past nk keep the count fixed).
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nk) load_stage(s, s);
         cp_async_commit();
-        cp_async_wait<1>();
+    }
+
+    int st = 0, ld = S - 1;  // stage computed now, stage loaded now
+#pragma unroll 1
+    for (int kt = 0; kt < nk; ++kt) {
+        // Groups committed so far: S - 1 + kt; at most S - 2 pending means k-step kt has landed.
+        cp_async_wait<S - 2>();
+        // Everyone's copies of k-step kt are visible, and everyone is done computing k-step
+        // kt - 1, whose stage (ld) is refilled next.
         __syncthreads();
+        if (kt + S - 1 < nk) load_stage(kt + S - 1, ld);
+        cp_async_commit();
 
         unsigned char* As = smem + st * STAGE;
         unsigned char* Bs = As + A_BYTES;
@@ -173,19 +222,17 @@ DEVI void gemm_body(const GemmArgs& a) {
         const int nbase = wn * (BN / 4);
 
         if (FMT == FMT_Q4) {
-            uint4 A0[4], A1[4];
-            uint2 S0[4], S1[4];
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt) {
-                int r = wm * 64 + mt * 16 + g;
-                if (PAIR) r = (mt >> 1) * (BM / 2) + wm * 32 + (mt & 1) * 16 + g;
-                A0[mt] = *(const uint4*)(As + r * 64 + t4 * 16);
-                A1[mt] = *(const uint4*)(As + (r + 8) * 64 + t4 * 16);
-                S0[mt] = *(const uint2*)(As + BM * 64 + r * 8);
-                S1[mt] = *(const uint2*)(As + BM * 64 + (r + 8) * 8);
-            }
-#pragma unroll
+#pragma unroll 1
             for (int j = 0; j < 2; ++j) {
+                // Group j of the unit: words 2j, 2j+1 of each lane's 16 bytes, scale/bias word j.
+                uint2 A0[4], A1[4];
+#pragma unroll
+                for (int mt = 0; mt < 4; ++mt) {
+                    int r = wm * 64 + mt * 16 + g;
+                    if (PAIR) r = (mt >> 1) * (BM / 2) + wm * 32 + (mt & 1) * 16 + g;
+                    A0[mt] = *(const uint2*)(As + r * 64 + t4 * 16 + j * 8);
+                    A1[mt] = *(const uint2*)(As + (r + 8) * 64 + t4 * 16 + j * 8);
+                }
                 float acc[4][NT][4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
@@ -201,8 +248,8 @@ DEVI void gemm_body(const GemmArgs& a) {
                     const int p0 = 2 * (s & 1);
 #pragma unroll
                     for (int mt = 0; mt < 4; ++mt) {
-                        u32 wa = s < 2 ? (j ? A0[mt].z : A0[mt].x) : (j ? A0[mt].w : A0[mt].y);
-                        u32 wb = s < 2 ? (j ? A1[mt].z : A1[mt].x) : (j ? A1[mt].w : A1[mt].y);
+                        u32 wa = s < 2 ? A0[mt].x : A0[mt].y;
+                        u32 wb = s < 2 ? A1[mt].x : A1[mt].y;
                         u32 a0 = q4_pair(wa, p0), a2 = q4_pair(wa, p0 + 1), a1 = q4_pair(wb, p0), a3 = q4_pair(wb, p0 + 1);
 #pragma unroll
                         for (int n = 0; n < NT; ++n) mma_bf16(acc[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
@@ -210,7 +257,9 @@ DEVI void gemm_body(const GemmArgs& a) {
                 }
 #pragma unroll
                 for (int mt = 0; mt < 4; ++mt) {
-                    u32 sv0 = j ? S0[mt].y : S0[mt].x, sv1 = j ? S1[mt].y : S1[mt].x;
+                    int r = wm * 64 + mt * 16 + g;
+                    if (PAIR) r = (mt >> 1) * (BM / 2) + wm * 32 + (mt & 1) * 16 + g;
+                    u32 sv0 = *(const u32*)(As + BM * 64 + r * 8 + j * 4), sv1 = *(const u32*)(As + BM * 64 + (r + 8) * 8 + j * 4);
                     float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
                     float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
 #pragma unroll
@@ -242,14 +291,14 @@ DEVI void gemm_body(const GemmArgs& a) {
                 }
             }
         }
-        __syncthreads();
-        if (kt + 1 < nk) store_x(st ^ 1);
+        st = st + 1 == S ? 0 : st + 1;
+        ld = ld + 1 == S ? 0 : ld + 1;
     }
+    // Drain every group (the trailing ones are empty) before the stages become the C tile.
     cp_async_wait<0>();
     __syncthreads();
 
     // ---- epilogue through shared memory: C tile [BN tokens][OUTW rows] f32 ----
-    constexpr int OUTW = PAIR ? BM / 2 : BM;
     float* Cs = (float*)smem;  // BN * (OUTW + 4) floats
     constexpr int CST = OUTW + 4;
 #pragma unroll
@@ -270,7 +319,6 @@ DEVI void gemm_body(const GemmArgs& a) {
         }
     }
     __syncthreads();
-    const int mrem = min(OUTW, a.M - m0);
     for (int i = threadIdx.x; i < BN * OUTW; i += 256) {
         int tk = i / OUTW, r = i % OUTW;
         if (tk < count && r < mrem) {
@@ -280,23 +328,19 @@ DEVI void gemm_body(const GemmArgs& a) {
     }
 }
 
-template <int FMT, int BN, bool PAIR>
-constexpr int gemm_smem() {
-    return 2 * (AStage<FMT>::BYTES + BN * BS_STRIDE * 2 + BN * 2 * 4);
-}
+// MINB: blocks per SM the registers are bounded for (2 where shared memory allows two).
+#define GEMM_KERNEL(name, FMT, BN, PAIR, MINB) \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR>(a); }
 
-#define GEMM_KERNEL(name, FMT, BN, PAIR) \
-    extern "C" __global__ void __launch_bounds__(256) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR>(a); }
-
-GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false)
-GEMM_KERNEL(gemm_q4_pair_n32, FMT_Q4, 32, true)
-GEMM_KERNEL(gemm_bf16_n32, FMT_BF16, 32, false)
-GEMM_KERNEL(gemm_bf16_pair_n32, FMT_BF16, 32, true)
-GEMM_KERNEL(gemm_q4_n64, FMT_Q4, 64, false)
-GEMM_KERNEL(gemm_q4_n128, FMT_Q4, 128, false)
-GEMM_KERNEL(gemm_q4_pair_n64, FMT_Q4, 64, true)
-GEMM_KERNEL(gemm_q4_pair_n128, FMT_Q4, 128, true)
-GEMM_KERNEL(gemm_bf16_n64, FMT_BF16, 64, false)
-GEMM_KERNEL(gemm_bf16_n128, FMT_BF16, 128, false)
-GEMM_KERNEL(gemm_bf16_pair_n64, FMT_BF16, 64, true)
-GEMM_KERNEL(gemm_bf16_pair_n128, FMT_BF16, 128, true)
+GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false, 2)
+GEMM_KERNEL(gemm_q4_pair_n32, FMT_Q4, 32, true, 2)
+GEMM_KERNEL(gemm_bf16_n32, FMT_BF16, 32, false, 1)
+GEMM_KERNEL(gemm_bf16_pair_n32, FMT_BF16, 32, true, 1)
+GEMM_KERNEL(gemm_q4_n64, FMT_Q4, 64, false, 2)
+GEMM_KERNEL(gemm_q4_n128, FMT_Q4, 128, false, 1)
+GEMM_KERNEL(gemm_q4_pair_n64, FMT_Q4, 64, true, 2)
+GEMM_KERNEL(gemm_q4_pair_n128, FMT_Q4, 128, true, 1)
+GEMM_KERNEL(gemm_bf16_n64, FMT_BF16, 64, false, 2)
+GEMM_KERNEL(gemm_bf16_n128, FMT_BF16, 128, false, 1)
+GEMM_KERNEL(gemm_bf16_pair_n64, FMT_BF16, 64, true, 2)
+GEMM_KERNEL(gemm_bf16_pair_n128, FMT_BF16, 128, true, 1)

@@ -4,7 +4,13 @@
 // A block has 8 warps; a warp computes one 16-row tile over a 1/ksplit share of K, the ksplit
 // warps of a tile add their partial sums through shared memory. x is staged once per block as
 // bf16 (optionally RMS-normalised on the way: "norm on load"), with per-64 group sums of the
-// rounded values for the Q4 bias term. Loads are issued in batches of NB units per warp.
+// rounded values for the Q4 bias term.
+//
+// Weights stream through a warp-private ring of RING unit slots in shared memory (UnitRing): at the
+// start every warp requests its first RING units with cp.async (no registers held while they are in
+// flight, so a one-wave matvec has all of its bytes requested before x is even staged), then
+// consumes them in order and refills each slot with the unit RING ahead. Each lane copies exactly the
+// words it will read itself, so its own cp.async.wait_group is the only synchronisation needed.
 
 #define FMT_Q4 0
 #define FMT_BF16 1
@@ -25,7 +31,27 @@ struct GemvArgs {
     int shared_col, kparts, pad1, pad2;
 };
 
-// Stages x rows (f32, optionally normalised) into shared memory as bf16 [T][kpad + 8] and writes
+// Where staged x lives in shared memory, as bf16 pairs (words). Row layout (BF16 weights):
+// token t's word q at t * (kpad + 8) / 2 + q. Fragment layout (Q4 weights): the 16 words lane
+// quad member t4 feeds to the 8 mma of unit u (B fragments b0, b1 of j = 0, 1 and s = 0..3) are
+// consecutive, words (u * 4 + t4) * XF_STRIDE + j * 8 + s * 2 + {0, 1}, so a lane reads a unit's x
+// with four 16-byte loads instead of sixteen 4-byte ones (stride 20: the four t4 of a warp hit
+// disjoint banks).
+#define XF_STRIDE 20
+struct XLayout {
+    u32* base;
+    int tstride;  // words per token
+    bool frag;
+    DEVI int word(int t, int q) const {
+        if (!frag) return t * tstride + q;
+        const int u = q >> 6, r = q & 63, r3 = r & 7;
+        return t * tstride + (u * 4 + (r3 & 3)) * XF_STRIDE + (r >> 5) * 8 + ((r >> 3) & 3) * 2 + (r3 >> 2);
+    }
+};
+// Words per staged token for kpad (multiple of 128).
+DEVI int x_words(int kpad, bool frag) { return frag ? kpad / 128 * 4 * XF_STRIDE : (kpad + 8) / 2; }
+
+// Stages x rows (f32, optionally normalised) into shared memory as bf16 (layout L) and writes
 // per-group sums of the rounded values into xsum [T][kpad / 64]. Zero beyond K.
 //
 // Fast path (kpad ≤ 4 · NV · blockDim, 16-byte aligned rows): every thread issues all its 16-byte
@@ -33,8 +59,8 @@ struct GemvArgs {
 // block reduction for the norm; a 64-group is 16 consecutive float4 = 16 lanes, summed by shuffles.
 template <int NV>
 DEVI void stage_x_vec(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
-                      u32* xs32, float* xsum, float* red) {
-    const int nvec = kpad >> 2, groups = kpad / 64, stride32 = (kpad + 8) / 2, nt = blockDim.x;
+                      const XLayout& L, float* xsum, float* red) {
+    const int nvec = kpad >> 2, groups = kpad / 64, nt = blockDim.x;
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int t = 0; t < T; ++t) {
         const float* xr = x + (i64)t * ldx;
@@ -64,7 +90,8 @@ DEVI void stage_x_vec(const float* __restrict__ x, int ldx, int T, int K, int kp
                     a.z = a.z * inv * w[i].z; a.w = a.w * inv * w[i].w;
                 }
                 const u32 p0 = pack_bf16(a.x, a.y), p1 = pack_bf16(a.z, a.w);
-                *reinterpret_cast<uint2*>(xs32 + t * stride32 + 2 * c) = make_uint2(p0, p1);
+                L.base[L.word(t, 2 * c)] = p0;
+                L.base[L.word(t, 2 * c + 1)] = p1;
                 float s = bf16_lo(p0) + bf16_hi(p0) + bf16_lo(p1) + bf16_hi(p1);
                 s += __shfl_xor_sync(0xffffffffu, s, 8);
                 s += __shfl_xor_sync(0xffffffffu, s, 4);
@@ -79,9 +106,9 @@ DEVI void stage_x_vec(const float* __restrict__ x, int ldx, int T, int K, int kp
 
 // General path (any K, stride or alignment): scalar loads.
 DEVI void stage_x_scalar(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
-                         u32* xs32, float* xsum, float* red) {
+                         const XLayout& L, float* xsum, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int groups = kpad / 64, stride32 = (kpad + 8) / 2;
+    const int groups = kpad / 64;
     for (int t = 0; t < T; ++t) {
         const float* xr = x + (i64)t * ldx;
         float inv = 1.f;
@@ -99,7 +126,7 @@ DEVI void stage_x_scalar(const float* __restrict__ x, int ldx, int T, int K, int
                 v1 = k + 1 < K ? v1 * inv * norm_w[k + 1] : 0.f;
             }
             u32 p = pack_bf16(v0, v1);
-            xs32[t * stride32 + k / 2] = p;
+            L.base[L.word(t, k / 2)] = p;
             float s = warp_sum(bf16_lo(p) + bf16_hi(p));
             if (lane == 0) xsum[t * groups + grp] = s;
         }
@@ -108,11 +135,45 @@ DEVI void stage_x_scalar(const float* __restrict__ x, int ldx, int T, int K, int
 }
 
 DEVI void stage_x(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
-                  u32* xs32, float* xsum, float* red) {
+                  const XLayout& L, float* xsum, float* red) {
     const bool vec = (K & 3) == 0 && (T == 1 || (ldx & 3) == 0) && ((u64)x & 15) == 0 && ((u64)norm_w & 15) == 0;
-    if (vec && kpad <= 8 * (int)blockDim.x) stage_x_vec<2>(x, ldx, T, K, kpad, norm_w, eps, xs32, xsum, red);
-    else if (vec && kpad <= 16 * (int)blockDim.x) stage_x_vec<4>(x, ldx, T, K, kpad, norm_w, eps, xs32, xsum, red);
-    else stage_x_scalar(x, ldx, T, K, kpad, norm_w, eps, xs32, xsum, red);
+    if (vec && kpad <= 8 * (int)blockDim.x) stage_x_vec<2>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+    else if (vec && kpad <= 16 * (int)blockDim.x) stage_x_vec<4>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+    else stage_x_scalar(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+}
+
+// One Q4 unit of a 16-row tile from the fragment layout. xf: the lane's 16 words of unit u (of
+// token min(g, T - 1): columns n ≥ T are never stored, so they may hold any token); sa / sb: the
+// group sums (2u, 2u + 1) of the tokens of the lane's C columns 2t4 and 2t4 + 1.
+DEVI void unit_q4f(uint4 A0, uint4 A1, uint2 S0, uint2 S1, const u32* xf, float2 sa, float2 sb, float coef, float* tot) {
+    const uint4 X0 = *reinterpret_cast<const uint4*>(xf), X1 = *reinterpret_cast<const uint4*>(xf + 4);
+    const uint4 X2 = *reinterpret_cast<const uint4*>(xf + 8), X3 = *reinterpret_cast<const uint4*>(xf + 12);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const u32 wa0 = j ? A0.z : A0.x, wa1 = j ? A0.w : A0.y;
+        const u32 wb0 = j ? A1.z : A1.x, wb1 = j ? A1.w : A1.y;
+        const uint4 Xa = j ? X2 : X0, Xb = j ? X3 : X1;  // words j*8 + 0..3 and j*8 + 4..7
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const u32 wa = s < 2 ? wa0 : wa1, wb = s < 2 ? wb0 : wb1;
+            const int p0 = 2 * (s & 1);
+            const uint4 Xs = s < 2 ? Xa : Xb;
+            const u32 b0 = (s & 1) ? Xs.z : Xs.x, b1 = (s & 1) ? Xs.w : Xs.y;
+            mma_bf16(acc, q4_pair(wa, p0), q4_pair(wb, p0), q4_pair(wa, p0 + 1), q4_pair(wb, p0 + 1), b0, b1);
+        }
+        // tot += coef · (s · acc + c · xsum), c = bias − 128 s (the +128 of q4_pair): two fmas per
+        // output (coef = 1 folds away in the matvecs).
+        const u32 sv0 = j ? S0.y : S0.x, sv1 = j ? S1.y : S1.x;
+        const float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
+        const float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
+        const float xa = j ? sa.y : sa.x, xb = j ? sb.y : sb.x;
+        const float k0 = coef * s0, k1 = coef * s1, d0 = coef * c0, d1 = coef * c1;
+        tot[0] = fmaf(k0, acc[0], fmaf(d0, xa, tot[0]));
+        tot[1] = fmaf(k0, acc[1], fmaf(d0, xb, tot[1]));
+        tot[2] = fmaf(k1, acc[2], fmaf(d1, xa, tot[2]));
+        tot[3] = fmaf(k1, acc[3], fmaf(d1, xb, tot[3]));
+    }
 }
 
 // One Q4 unit (128 k = two groups) of a 16-row tile. A0/A1: the lane's 16 bytes of rows g and g+8;
@@ -161,6 +222,42 @@ DEVI void unit_bf16(uint4 A0, uint4 A1, const u32* xrow, int u, float coef, floa
     for (int i = 0; i < 4; ++i) tot[i] += coef * acc[i];
 }
 
+// Row-layout staging into xs32 [T][(kpad + 8) / 2] (the kernel-overhead diagnostic's form).
+DEVI void stage_x(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
+                  u32* xs32, float* xsum, float* red) {
+    stage_x(x, ldx, T, K, kpad, norm_w, eps, XLayout{xs32, (kpad + 8) / 2, false}, xsum, red);
+}
+
+// A lane's view of staged x: Q4: the fragment words of unit 0 of its B token (token min(g, T-1));
+// BF16: its B token's row (null for g ≥ T). sa / sb: group sums of the tokens of its C columns.
+struct XLane {
+    const u32* x;
+    const float* sa;
+    const float* sb;
+};
+
+template <int FMT>
+DEVI XLane x_lane(const XLayout& L, const float* xsum, int T, int groups) {
+    const int g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+    const int ta = min(2 * t4, T - 1), tb = min(2 * t4 + 1, T - 1);
+    XLane xl;
+    if (FMT == FMT_Q4) xl.x = L.base + min(g, T - 1) * L.tstride + t4 * XF_STRIDE;
+    else xl.x = g < T ? L.base + g * L.tstride : nullptr;
+    xl.sa = xsum + ta * groups;
+    xl.sb = xsum + tb * groups;
+    return xl;
+}
+
+// Unit u of a tile (either format), scaled by coef, into tot.
+template <int FMT>
+DEVI void unit_any(uint4 A0, uint4 A1, uint2 S0, uint2 S1, const XLane& xl, int u, float coef, float* tot) {
+    if (FMT == FMT_Q4)
+        unit_q4f(A0, A1, S0, S1, xl.x + u * 4 * XF_STRIDE, *reinterpret_cast<const float2*>(xl.sa + 2 * u),
+                 *reinterpret_cast<const float2*>(xl.sb + 2 * u), coef, tot);
+    else
+        unit_bf16(A0, A1, xl.x, u, coef, tot);
+}
+
 // Weight row pointers of a tile (rows row0 = tile*16 + g and row0 + 8) for either format.
 struct TileRef {
     const uint4* w0;
@@ -188,7 +285,9 @@ DEVI TileRef tile_ref(u64 w, u64 sb, i64 row0, int kpad) {
     return r;
 }
 
-// N units of one tile in registers (loads in flight together).
+// N units of one tile in registers (loads in flight together). The matvecs below stream through
+// UnitRing instead; Batch, load_batch, compute_batch and tile_units remain for the kernel-overhead
+// diagnostic (tests/gpu_kernel_overhead.rs, perf-log run 5), which replays the earlier design.
 template <int N = NB>
 struct Batch {
     uint4 A0[N], A1[N];
@@ -234,6 +333,91 @@ DEVI void tile_units(TileRef tr, int first, int step, int nunits, const u32* xro
         compute_batch<FMT, N>(b, u0, step, nunits, xrow, xs_n0, xs_n1, coef, tot);
     }
 }
+
+// 8-byte async copy global -> shared (through L1: scale/bias words are shared by a lane quad).
+DEVI void cp_async8(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
+}
+#define RING 4  // unit slots per warp (ops::RING_SLOTS): 8 warps x 4 x 1.5 KB = 48 KB per block (Q4)
+
+// A unit to fetch: the tile's row pointers and the unit index along K.
+struct URef {
+    TileRef tr;
+    int u;
+};
+
+// Warp-private ring of RING unit slots. Slot layout (Q4): A0 of the 32 lanes, A1 of the 32 lanes,
+// then (S0, S1) of the 32 lanes, 16 bytes per lane each: lane-contiguous, no bank conflicts.
+template <int FMT>
+struct UnitRing {
+    static constexpr int SLOT = FMT == FMT_Q4 ? 32 * 48 : 32 * 32;
+    static constexpr int BLOCK_BYTES = 8 * RING * SLOT;  // the 8 warps' rings
+    unsigned char* base;  // this warp's RING slots
+
+    DEVI void issue(int slot, const URef& r) const {
+        unsigned char* s = base + slot * SLOT + (threadIdx.x & 31) * 16;
+        cp_async16(s, r.tr.w0 + r.u * 4, true);
+        cp_async16(s + 512, r.tr.w1 + r.u * 4, true);
+        if (FMT == FMT_Q4) {
+            cp_async8(s + 1024, r.tr.s0 + r.u);
+            cp_async8(s + 1032, r.tr.s1 + r.u);
+        }
+    }
+    DEVI void get(int slot, uint4& A0, uint4& A1, uint2& S0, uint2& S1) const {
+        const unsigned char* s = base + slot * SLOT + (threadIdx.x & 31) * 16;
+        A0 = *reinterpret_cast<const uint4*>(s);
+        A1 = *reinterpret_cast<const uint4*>(s + 512);
+        if (FMT == FMT_Q4) {
+            const uint4 sv = *reinterpret_cast<const uint4*>(s + 1024);
+            S0 = make_uint2(sv.x, sv.y);
+            S1 = make_uint2(sv.z, sv.w);
+        }
+    }
+};
+
+// The warp's ring in a block's shared memory (rings first, 8 warps).
+template <int FMT>
+DEVI UnitRing<FMT> warp_ring(unsigned char* smem) { return UnitRing<FMT>{smem + (threadIdx.x >> 5) * RING * UnitRing<FMT>::SLOT}; }
+
+// Requests units 0 .. min(n, RING) - 1. Commits exactly RING groups (empty ones included), so
+// that before unit i is consumed RING + i groups are committed and waiting for all but the newest
+// RING - 1 completes unit i. Every thread of the block must call ring_start and ring_run (n may
+// be 0); ref(i) is called for i = 0, 1, ... in order (callers may keep cursors).
+template <int FMT, class Ref>
+DEVI void ring_start(const UnitRing<FMT>& ring, int n, Ref& ref) {
+#pragma unroll
+    for (int s = 0; s < RING; ++s) {
+        if (s < n) ring.issue(s, ref(s));
+        cp_async_commit();
+    }
+}
+
+// Consumes units 0 .. n - 1 in order (use(i, A0, A1, S0, S1)), refilling each slot with unit
+// i + RING. Unrolled by RING so that slots are compile-time offsets.
+template <int FMT, class Ref, class Use>
+DEVI void ring_run(const UnitRing<FMT>& ring, int n, Ref& ref, Use&& use) {
+    for (int i0 = 0; i0 < n; i0 += RING) {
+#pragma unroll
+        for (int k = 0; k < RING; ++k) {
+            const int i = i0 + k;
+            if (i < n) {
+                cp_async_wait<RING - 1>();
+                uint4 A0, A1;
+                uint2 S0 = make_uint2(0u, 0u), S1 = make_uint2(0u, 0u);
+                ring.get(k, A0, A1, S0, S1);
+                use(i, A0, A1, S0, S1);
+                // The slot's words are consumed; the "memory" clobber keeps the compiler from
+                // moving its reads below the refill.
+                asm volatile("" ::: "memory");
+                if (i + RING < n) ring.issue(k, ref(i + RING));
+            }
+            cp_async_commit();
+        }
+    }
+}
+
+// Units a warp handles when it takes u = first, first + step, ... < nunits.
+DEVI int units_from(int first, int step, int nunits) { return first < nunits ? (nunits - first + step - 1) / step : 0; }
 
 // Sums the partial tiles of the ksplit warps of each tile; returns true for the warp that owns
 // the epilogue (ks == 0). tot has 4*NT values per lane.
@@ -301,56 +485,110 @@ DEVI void route_topk(const float* logits, int E, int topk, int renorm, int share
     if (lane == 0 && shared_col >= 0) wts[topk] = sigmoidf_(__ldcg(logits + shared_col));
 }
 
+// Writes (or adds) a finished 16-row tile: lane (g, t4) holds rows g, g + 8 of tokens 2t4, 2t4 + 1.
+DEVI void store_tile(const GemvArgs& a, const GemvSeg& S, i64 row0, float* out, const float* tot) {
+    const int g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int n = 2 * t4 + (i & 1);
+        i64 r = row0 + g + (i >> 1) * 8;
+        if (n < a.T && r < S.rows) {
+            float* o = out + (i64)n * a.ldo + S.out_col + r;
+            if (a.accumulate) *o += tot[i];
+            else *o = tot[i];
+        }
+    }
+}
+
+// The segment holding `tile`; tbase = its first tile.
+DEVI int seg_of(const GemvArgs& a, int tile, int& tbase) {
+    int si = 0;
+    tbase = 0;
+    while (si + 1 < a.nseg && tile >= tbase + a.seg[si].tiles) { tbase += a.seg[si].tiles; ++si; }
+    return si;
+}
+
+// Matvecs too large for one wave (the lm_head; one segment): a grid of resident blocks in which
+// every warp takes whole tiles (ksplit 1, no cross-warp reduction), tile = blockIdx.x * 8 + warp,
+// then + gridDim.x * 8, ..., and streams their units through its ring without a break between
+// tiles, so x is staged once per block and the ring never drains. No router epilogue, no K parts.
+template <int FMT>
+DEVI void gemv_stream_body(const GemvArgs& a) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ float sred[32];
+    const int T = a.T, kpad = a.kpad, groups = kpad / 64;
+    const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
+    const XLayout L{(u32*)(smem + ring_bytes), x_words(kpad, FMT == FMT_Q4), FMT == FMT_Q4};
+    float* xsum = (float*)(smem + ring_bytes + (size_t)T * L.tstride * 4);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+    const GemvSeg& S = a.seg[0];
+    const int units = FMT == FMT_Q4 ? kpad / 128 : kpad / 32;
+    const int first = blockIdx.x * 8 + warp, step = gridDim.x * 8;
+    const int n = units_from(first, step, S.tiles) * units;
+    // ref and use walk the unit list in order (ring_start / ring_run call them with i = 0, 1, ...),
+    // so each keeps a cursor (tile, unit) instead of dividing i by units.
+    int r_tile = first, r_u = 0, c_tile = first, c_u = 0;
+    auto ref = [&](int) {
+        const URef r{tile_ref<FMT>(S.w, S.sb, (i64)r_tile * 16 + g, kpad), r_u};
+        if (++r_u == units) { r_u = 0; r_tile += step; }
+        return r;
+    };
+    const UnitRing<FMT> ring = warp_ring<FMT>(smem);
+    ring_start(ring, n, ref);
+    pdl_enter();
+    stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
+    float tot[4] = {0.f, 0.f, 0.f, 0.f};
+    const XLane xl = x_lane<FMT>(L, xsum, T, groups);
+    ring_run(ring, n, ref, [&](int, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {
+        unit_any<FMT>(A0, A1, S0, S1, xl, c_u, 1.f, tot);
+        if (++c_u == units) {
+            store_tile(a, S, (i64)c_tile * 16, (float*)a.out, tot);
+            tot[0] = tot[1] = tot[2] = tot[3] = 0.f;
+            c_u = 0;
+            c_tile += step;
+        }
+    });
+}
+
 template <int FMT>
 DEVI void gemv_body(const GemvArgs& a) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float sred[32];
     __shared__ int s_last;
-    const int T = a.T, kpad = a.kpad, groups = kpad / 64, stride32 = (kpad + 8) / 2;
-    u32* xs32 = (u32*)smem;
-    float* xsum = (float*)(smem + (size_t)T * stride32 * 4);
+    const int T = a.T, kpad = a.kpad, groups = kpad / 64;
+    // Shared memory: the warps' unit rings, then x (bf16), its group sums, the ksplit partials.
+    const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
+    const XLayout L{(u32*)(smem + ring_bytes), x_words(kpad, FMT == FMT_Q4), FMT == FMT_Q4};
+    float* xsum = (float*)(smem + ring_bytes + (size_t)T * L.tstride * 4);
     float* red = xsum + T * groups;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int tiles_per_block = 8 / a.ksplit;
     const int tile = blockIdx.x * tiles_per_block + warp / a.ksplit, ks = warp % a.ksplit;
-    int si = 0, tbase = 0;
-    while (si + 1 < a.nseg && tile >= tbase + a.seg[si].tiles) { tbase += a.seg[si].tiles; ++si; }
-    const GemvSeg S = a.seg[si];
+    int tbase;
+    const GemvSeg S = a.seg[seg_of(a, tile, tbase)];
     const bool active = tile < tbase + S.tiles;
     const i64 row0 = (i64)(tile - tbase) * 16;
     // With kparts > 1 (router only) block row y covers units [lo, hi) and writes partial sums.
     const int units_all = FMT == FMT_Q4 ? kpad / 128 : kpad / 32;
     const int part = blockIdx.y, kparts = a.kparts > 1 ? a.kparts : 1;
     const int lo = units_all * part / kparts, nunits = units_all * (part + 1) / kparts;
-    // The first batch of weights is requested before x is staged, so both are in flight together.
-    TileRef tr = tile_ref<FMT>(S.w, S.sb, row0 + g, kpad);
-    Batch<> first;
-    if (active) load_batch<FMT>(first, tr, lo + ks, a.ksplit, nunits);
+    // The weights are requested before x is staged (and before the previous kernel is waited for:
+    // they depend on no kernel of the step), so both are in flight together.
+    const TileRef tr = tile_ref<FMT>(S.w, S.sb, row0 + g, kpad);
+    const UnitRing<FMT> ring = warp_ring<FMT>(smem);
+    const int n = active ? units_from(lo + ks, a.ksplit, nunits) : 0;
+    auto ref = [&](int i) { return URef{tr, lo + ks + i * a.ksplit}; };
+    ring_start(ring, n, ref);
     pdl_enter();  // weights only above: x is the previous kernel's output
-    stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, xs32, xsum, sred);
+    stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
-    if (active) {
-        const u32* xrow = g < T ? xs32 + g * stride32 : nullptr;
-        const float* xa = 2 * t4 < T ? xsum + 2 * t4 * groups : nullptr;
-        const float* xb = 2 * t4 + 1 < T ? xsum + (2 * t4 + 1) * groups : nullptr;
-        compute_batch<FMT>(first, lo + ks, a.ksplit, nunits, xrow, xa, xb, 1.f, tot);
-        tile_units<FMT>(tr, lo + ks + NB * a.ksplit, a.ksplit, nunits, xrow, xa, xb, 1.f, tot);
-    }
+    const XLane xl = x_lane<FMT>(L, xsum, T, groups);
+    ring_run(ring, n, ref, [&](int i, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {
+        unit_any<FMT>(A0, A1, S0, S1, xl, lo + ks + i * a.ksplit, 1.f, tot);
+    });
     bool owner = reduce_ksplit<1>(tot, red, a.ksplit);
-    if (owner && active) {
-        float* out = kparts > 1 ? (float*)a.partial + (i64)part * a.ldo : (float*)a.out;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            int n = 2 * t4 + (i & 1);
-            i64 r = row0 + g + (i >> 1) * 8;
-            if (n < T && r < S.rows) {
-                float* o = out + (i64)n * a.ldo + S.out_col + r;
-                if (a.accumulate) *o += tot[i];
-                else *o = tot[i];
-            }
-        }
-    }
+    if (owner && active) store_tile(a, S, row0, kparts > 1 ? (float*)a.partial + (i64)part * a.ldo : (float*)a.out, tot);
     if (a.route_counter) {
         __threadfence();
         __syncthreads();
@@ -379,9 +617,12 @@ DEVI void gemv_body(const GemvArgs& a) {
     }
 }
 
-// Two blocks per SM guaranteed (≤ 128 registers): the launch shape is chosen for one wave.
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4(const GemvArgs a) { gemv_body<FMT_Q4>(a); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16(const GemvArgs a) { gemv_body<FMT_BF16>(a); }
+// Three blocks per SM by registers (≤ 80: no weights are held in registers); shared memory (the
+// rings) decides between two and three. The launch shape is chosen for one wave where possible.
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_q4(const GemvArgs a) { gemv_body<FMT_Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_q4_stream(const GemvArgs a) { gemv_stream_body<FMT_Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_bf16(const GemvArgs a) { gemv_body<FMT_BF16>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_bf16_stream(const GemvArgs a) { gemv_stream_body<FMT_BF16>(a); }
 
 // ---------------------------------------------------------------------------------------------
 // Decode MoE, batch 1. Sources: the top-k routed experts (ids[0..topk)) and, if present, the
@@ -402,9 +643,10 @@ template <int FMT>
 DEVI void moe_up_body(const MoeUpArgs& a) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float sred[32];
-    const int kpad = a.kpad, groups = kpad / 64, stride32 = (kpad + 8) / 2;
-    u32* xs32 = (u32*)smem;
-    float* xsum = (float*)(smem + (size_t)stride32 * 4);
+    const int kpad = a.kpad, groups = kpad / 64;
+    const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
+    const XLayout L{(u32*)(smem + ring_bytes), x_words(kpad, FMT == FMT_Q4), FMT == FMT_Q4};
+    float* xsum = (float*)(smem + ring_bytes + (size_t)L.tstride * 4);
     float* red = xsum + groups;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -415,32 +657,36 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
     const bool active = tile * 16 < rows;
     const i64 row0 = (i64)tile * 16;
     const int nunits = FMT == FMT_Q4 ? kpad / 128 : kpad / 32;
+    // The warp's units alternate gate and up: unit i is matrix i & 1, K unit ks + (i >> 1) * ksplit.
+    const UnitRing<FMT> ring = warp_ring<FMT>(smem);
+    const int n = active ? 2 * units_from(ks, a.ksplit, nunits) : 0;
     TileRef tg, tu;
-    // Two units per matrix and warp in registers (gate and up: four loads in flight), so that
-    // nothing spills (120 registers, 2 blocks/SM; launch: ksplit 8 for K = 2048, one batch).
-    constexpr int NU = 2;
-    Batch<NU> bg, bu;
-    auto first_loads = [&]() {
-        i64 base = shared ? 0 : (i64)((const int*)a.ids)[src] * a.rows_e;
+    auto refs = [&]() {
+        const i64 base = shared ? 0 : (i64)((const int*)a.ids)[src] * a.rows_e;
         tg = shared ? tile_ref<FMT>(a.sh_gate_w, a.sh_gate_sb, row0 + g, kpad) : tile_ref<FMT>(a.gate_w, a.gate_sb, base + row0 + g, kpad);
         tu = shared ? tile_ref<FMT>(a.sh_up_w, a.sh_up_sb, row0 + g, kpad) : tile_ref<FMT>(a.up_w, a.up_sb, base + row0 + g, kpad);
-        load_batch<FMT, NU>(bg, tg, ks, a.ksplit, nunits);
-        load_batch<FMT, NU>(bu, tu, ks, a.ksplit, nunits);
     };
-    // The routed experts' ids are the router's (previous kernel's) output: wait first. (Requesting
-    // the shared expert's weights before the wait costs 250 B of register spills.)
-    pdl_enter();
-    if (active) first_loads();
-    stage_x((const float*)a.x, 0, 1, a.K, kpad, (const float*)a.norm_w, a.eps, xs32, xsum, sred);
-    float tot[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (active) {
-        const u32* xrow = g == 0 ? xs32 : nullptr;
-        const float* xa = t4 == 0 ? xsum : nullptr;
-        compute_batch<FMT, NU>(bg, ks, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot);
-        compute_batch<FMT, NU>(bu, ks, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot + 4);
-        tile_units<FMT, NU>(tg, ks + NU * a.ksplit, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot);
-        tile_units<FMT, NU>(tu, ks + NU * a.ksplit, a.ksplit, nunits, xrow, xa, nullptr, 1.f, tot + 4);
+    auto ref = [&](int i) { return URef{(i & 1) ? tu : tg, ks + (i >> 1) * a.ksplit}; };
+    // The routed experts' ids are the router's (previous kernel's) output: wait first. The shared
+    // expert depends on nothing of this step: its weights are requested before the wait.
+    if (shared) {
+        refs();
+        ring_start(ring, n, ref);
+        pdl_enter();
+    } else {
+        pdl_enter();
+        if (active) refs();
+        ring_start(ring, n, ref);
     }
+    stage_x((const float*)a.x, 0, 1, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
+    float tot[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const XLane xl = x_lane<FMT>(L, xsum, 1, groups);
+    ring_run(ring, n, ref, [&](int i, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {
+        const int u = ks + (i >> 1) * a.ksplit;
+        // Two call sites with constant offsets keep tot in registers.
+        if (i & 1) unit_any<FMT>(A0, A1, S0, S1, xl, u, 1.f, tot + 4);
+        else unit_any<FMT>(A0, A1, S0, S1, xl, u, 1.f, tot);
+    });
     bool owner = reduce_ksplit<2>(tot, red, a.ksplit);
     if (owner && active && t4 == 0) {
         float* h = (float*)a.h + (i64)src * a.hstride;
@@ -454,8 +700,8 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) moe_up_q4(const MoeUpArgs a) { moe_up_body<FMT_Q4>(a); }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_up_bf16(const MoeUpArgs a) { moe_up_body<FMT_BF16>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_up_q4(const MoeUpArgs a) { moe_up_body<FMT_Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_up_bf16(const MoeUpArgs a) { moe_up_body<FMT_BF16>(a); }
 
 struct MoeDownArgs {
     u64 down_w, down_sb, sh_down_w, sh_down_sb;
@@ -471,55 +717,44 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int nsrc = a.topk + a.has_shared;
     const int kmax = a.kpad_r > a.kpad_s ? a.kpad_r : a.kpad_s;
-    const int stride32 = (kmax + 8) / 2, groups = kmax / 64;
-    u32* xs32 = (u32*)smem;
-    float* xsum = (float*)(smem + (size_t)nsrc * stride32 * 4);
+    const int groups = kmax / 64;
+    const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
+    const XLayout L{(u32*)(smem + ring_bytes), x_words(kmax, FMT == FMT_Q4), FMT == FMT_Q4};  // one "token" per source
+    float* xsum = (float*)(smem + ring_bytes + (size_t)nsrc * L.tstride * 4);
     float* red = xsum + nsrc * groups;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int tile = blockIdx.x * (8 / a.ksplit) + warp / a.ksplit, ks = warp % a.ksplit;
     const bool active = tile * 16 < a.H;
     const i64 row0 = (i64)tile * 16;
-    // Units of all sources in one flat list, so that every warp has NB loads in flight.
+    // Units of all sources in one flat list f = ks, ks + ksplit, ... (source-major).
     const int upu = FMT == FMT_Q4 ? 128 : 32;
     const int nu_r = a.kpad_r / upu, nu_s = a.kpad_s / upu;
     const int n_r = a.topk * nu_r, total = n_r + (a.has_shared ? nu_s : 0);
     const int* ids = (const int*)a.ids;
     const float* rw = (const float*)a.route_w;
-    auto load = [&](Batch<>& b, int f0) {
-#pragma unroll
-        for (int i = 0; i < NB; ++i) {
-            int f = f0 + i * a.ksplit;
-            if (f < total) {
-                int src = f < n_r ? f / nu_r : a.topk, u = f < n_r ? f % nu_r : f - n_r;
-                TileRef tr = src == a.topk ? tile_ref<FMT>(a.sh_down_w, a.sh_down_sb, row0 + g, a.kpad_s)
-                                           : tile_ref<FMT>(a.down_w, a.down_sb, (i64)ids[src] * a.rows_e + row0 + g, a.kpad_r);
-                b.A0[i] = ldg_nc(tr.w0 + u * 4);
-                b.A1[i] = ldg_nc(tr.w1 + u * 4);
-                if (FMT == FMT_Q4) {
-                    b.S0[i] = ldg_nc2(tr.s0 + u);
-                    b.S1[i] = ldg_nc2(tr.s1 + u);
-                }
-            }
-        }
+    const UnitRing<FMT> ring = warp_ring<FMT>(smem);
+    const int n = active ? units_from(ks, a.ksplit, total) : 0;
+    // The unit list f = ks + i * ksplit as (source, unit) cursors: ref and use are called with
+    // i = 0, 1, ... in order (see ring_run), so each advances its cursor by ksplit units.
+    struct Cursor {
+        int src, u;
     };
-    float tot[4] = {0.f, 0.f, 0.f, 0.f};
-    auto compute = [&](const Batch<>& b, int f0) {
-#pragma unroll
-        for (int i = 0; i < NB; ++i) {
-            int f = f0 + i * a.ksplit;
-            if (f < total) {
-                int src = f < n_r ? f / nu_r : a.topk, u = f < n_r ? f % nu_r : f - n_r;
-                const u32* xrow = g == 0 ? xs32 + src * stride32 : nullptr;
-                const float* xa = t4 == 0 ? xsum + src * groups : nullptr;
-                if (FMT == FMT_Q4) unit_q4(b.A0[i], b.A1[i], b.S0[i], b.S1[i], xrow, xa, nullptr, u, rw[src], tot);
-                else unit_bf16(b.A0[i], b.A1[i], xrow, u, rw[src], tot);
-            }
-        }
+    auto advance = [&](Cursor& c) {
+        c.u += a.ksplit;
+        while (c.src < a.topk && c.u >= nu_r) { c.u -= nu_r; ++c.src; }
     };
-    Batch<> first;
+    const Cursor start{ks < n_r ? ks / nu_r : a.topk, ks < n_r ? ks % nu_r : ks - n_r};
+    Cursor rc = start, cc = start;
+    auto ref = [&](int) {
+        const TileRef tr = rc.src == a.topk ? tile_ref<FMT>(a.sh_down_w, a.sh_down_sb, row0 + g, a.kpad_s)
+                                            : tile_ref<FMT>(a.down_w, a.down_sb, (i64)ids[rc.src] * a.rows_e + row0 + g, a.kpad_r);
+        const URef r{tr, rc.u};
+        advance(rc);
+        return r;
+    };
     // ids and route_w come from the router, two kernels back: complete before the previous kernel
     // (moe_up) passed its own wait and released this one (see pdl_wait in common.cuh).
-    if (active) load(first, ks);
+    ring_start(ring, n, ref);
     pdl_enter();
     // Stage the expert activations (bf16) and their group sums while the weights arrive.
     const int cpr = kmax >> 2, total_c = nsrc * cpr;  // float4 chunks (cpr is a multiple of 32)
@@ -540,7 +775,8 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
                 if (q < total_c) {  // warp-uniform: total_c is a multiple of 32
                     const int src = q / cpr, c = q - src * cpr;
                     const u32 p0 = pack_bf16(v[i].x, v[i].y), p1 = pack_bf16(v[i].z, v[i].w);
-                    *reinterpret_cast<uint2*>(xs32 + src * stride32 + 2 * c) = make_uint2(p0, p1);
+                    L.base[L.word(src, 2 * c)] = p0;
+                    L.base[L.word(src, 2 * c + 1)] = p1;
                     float sm = bf16_lo(p0) + bf16_hi(p0) + bf16_lo(p1) + bf16_hi(p1);
                     sm += __shfl_xor_sync(0xffffffffu, sm, 8);
                     sm += __shfl_xor_sync(0xffffffffu, sm, 4);
@@ -558,20 +794,19 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
             int k = grp * 64 + 2 * lane;
             float v0 = k < K ? hr[k] : 0.f, v1 = k + 1 < K ? hr[k + 1] : 0.f;
             u32 p = pack_bf16(v0, v1);
-            xs32[src * stride32 + k / 2] = p;
+            L.base[L.word(src, k / 2)] = p;
             float sm = warp_sum(bf16_lo(p) + bf16_hi(p));
             if (lane == 0) xsum[src * groups + grp] = sm;
         }
     }
     __syncthreads();
-    if (active) {
-        compute(first, ks);
-        for (int f0 = ks + NB * a.ksplit; f0 < total; f0 += NB * a.ksplit) {
-            Batch<> b;
-            load(b, f0);
-            compute(b, f0);
-        }
-    }
+    float tot[4] = {0.f, 0.f, 0.f, 0.f};
+    ring_run(ring, n, ref, [&](int, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {
+        // Source src is a one-token x of its own: column 0 carries it, the others are not stored.
+        const XLane xl = x_lane<FMT>(XLayout{L.base + cc.src * L.tstride, L.tstride, L.frag}, xsum + cc.src * groups, 1, groups);
+        unit_any<FMT>(A0, A1, S0, S1, xl, cc.u, rw[cc.src], tot);
+        advance(cc);
+    });
     bool owner = reduce_ksplit<1>(tot, red, a.ksplit);
     if (owner && active && t4 == 0) {
         float* out = (float*)a.out;
@@ -582,5 +817,5 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) moe_down_q4(const MoeDownArgs a) { moe_down_body<FMT_Q4>(a); }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_down_bf16(const MoeDownArgs a) { moe_down_body<FMT_BF16>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_down_q4(const MoeDownArgs a) { moe_down_body<FMT_Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_down_bf16(const MoeDownArgs a) { moe_down_body<FMT_BF16>(a); }

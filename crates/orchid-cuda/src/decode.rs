@@ -5,8 +5,8 @@
 //! for the next position (an H2D update of the block table between steps) and reads the token.
 //!
 //! Per layer (see docs/cuda.md): GDN = qkv|z|b|a matvec (input norm fused on load) → fused GDN
-//! decode → out_proj matvec (+ residual); attention = q|k|v matvec → prep (q/k norm, RoPE, cache
-//! append) → split-K GQA decode → combine (+ gate) → o_proj (+ residual); MoE = router matvec
+//! decode → out_proj matvec (+ residual); attention = q|k|v matvec → split-K GQA decode with the
+//! prep folded in (q/k norm, RoPE, cache append) → combine (+ gate) → o_proj (+ residual); MoE = router matvec
 //! with top-k in its last block → all routed experts + shared expert gate/up (one kernel) →
 //! down + weighted combine (+ residual). Then lm_head (final norm fused) and the sampler.
 
@@ -218,7 +218,7 @@ impl DecodeGraph {
                     let segs = [(&dl.in_proj_qkv, 0), (&dl.in_proj_z, cdim), (&dl.in_proj_b, cdim + vd), (&dl.in_proj_a, cdim + vd + hv)];
                     n += gemv_groups(c, &segs, self.x.ptr, norm_in, self.proj.ptr, 0, false)?;
                     let p = self.proj.ptr;
-                    dn::decode(
+                    n += dn::decode(
                         c,
                         &dn::GdnDecodeArgs {
                             qkv: p,
@@ -244,7 +244,6 @@ impl DecodeGraph {
                             ..Default::default()
                         },
                     )?;
-                    n += 1;
                     n += gemv_groups(c, &[(&dl.out_proj, 0)], self.y.ptr, None, self.x.ptr, 0, true)?;
                 }
                 Mixer::Attention(al) => {
@@ -281,7 +280,6 @@ impl DecodeGraph {
                         eps,
                         ..Default::default()
                     };
-                    at::prep(c, &pa)?;
                     let aa = at::AttnArgs {
                         q: self.qbf.ptr,
                         kpool: pa.kpool,
@@ -303,8 +301,8 @@ impl DecodeGraph {
                         scale_log2: std::f32::consts::LOG2_E / (dh as f32).sqrt(),
                         ..Default::default()
                     };
-                    at::decode(c, &aa, dh)?;
-                    n += 3;
+                    at::decode(c, &aa, dh, &pa)?;  // q/k norm, RoPE and the cache append folded in
+                    n += 2;
                     n += gemv_groups(c, &[(&al.o_proj, 0)], self.y.ptr, None, self.x.ptr, 0, true)?;
                 }
             }
@@ -415,6 +413,20 @@ impl DecodeGraph {
         self.token.upload(0, bytemuck::bytes_of(&(token as i32)))?;
         self.pos_host = pos;
         Ok(())
+    }
+
+    /// Sets the device step counter: the index at which the next sampled token is logged and
+    /// the counter of the seeded generator (the general sampler draws with (seed, step)), so
+    /// that a caller can key the random stream to the token's index in its output. Does not
+    /// change the host bookkeeping of `tokens()`.
+    pub fn set_step(&mut self, step: usize) -> Result<()> {
+        self.ctx.gpu.bind()?;
+        self.step.upload(0, bytemuck::bytes_of(&(step.min(i32::MAX as usize) as i32)))
+    }
+
+    /// Whether the graph was captured with the greedy (argmax) sampler.
+    pub fn is_greedy(&self) -> bool {
+        self.greedy
     }
 
     fn read_token(&self) -> Result<u32> {

@@ -65,7 +65,9 @@ pub fn attention(
             eps,
             ..Default::default()
         };
-        at::prep(c, &p)?;
+        if span.len > 1 {
+            at::prep(c, &p)?;  // one token: folded into the decode kernel below
+        }
         let mut a = at::AttnArgs {
             q: p.q_out,
             kpool: p.kpool,
@@ -91,7 +93,7 @@ pub fn attention(
             a.nsplit = nsplit as i32;
             a.part_o = part_o.ptr;
             a.part_ml = part_ml.ptr;
-            at::decode(c, &a, d)?;
+            at::decode(c, &a, d, &p)?;
         } else {
             at::prefill(c, &a, d)?;
         }
@@ -191,24 +193,32 @@ pub fn deltanet(
             },
         )?;
         let core = b.tensor(t, hv * dv)?;
-        dn::chunk(
-            c,
-            &dn::ChunkArgs {
-                x: xc.ptr(),
-                beta: beta.ptr,
-                gdec: gdec.ptr,
-                state: rec,
-                out: core.ptr(),
-                t: t as i32,
-                hk: hk as i32,
-                hv: hv as i32,
-                dk: dk as i32,
-                dv: dv as i32,
-                c: cdim as i32,
-                cw: dn::chunk_cols(dv) as i32,
-                pad: 0,
-            },
-        )?;
+        // Spans longer than CHUNK_SPAN_MAX tokens run as several prep + scan pairs in order (the
+        // state passes through memory in between), so the scratch never exceeds that many tokens.
+        let piece = t.min(dn::CHUNK_SPAN_MAX);
+        let scratch = DevBuf::alloc(b.gpu(), dn::chunk_scratch_bytes(hv, dk, dv, piece))?;
+        for p0 in (0..t).step_by(piece) {
+            let n = piece.min(t - p0);
+            dn::chunk(
+                c,
+                &dn::ChunkArgs {
+                    x: xc.ptr() + (p0 * cdim * 4) as u64,
+                    beta: beta.ptr + (p0 * hv * 4) as u64,
+                    gdec: gdec.ptr + (p0 * hv * 4) as u64,
+                    state: rec,
+                    out: core.ptr() + (p0 * hv * dv * 4) as u64,
+                    scratch: scratch.ptr,
+                    t: n as i32,
+                    hk: hk as i32,
+                    hv: hv as i32,
+                    dk: dk as i32,
+                    dv: dv as i32,
+                    c: cdim as i32,
+                    cw: dn::chunk_cols(dv) as i32,
+                    nchunks: dn::chunk_count(n) as i32,
+                },
+            )?;
+        }
         dn::gated_norm(
             c,
             &dn::GNormArgs {
@@ -237,7 +247,10 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     }
     let gpu = b.gpu();
     let logits = b.tensor(t, e)?;
-    ops::matmul(c, &w.router, x.ptr(), h, t, logits.ptr(), e)?;
+    // x rounded to bf16 with its group sums, once for every GEMM that reads it (router, experts'
+    // gate/up, shared expert and its gate).
+    let xp = ops::gemm_x(c, x.ptr(), h, t, h)?;
+    ops::matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), e)?;
     let ids = DevBuf::alloc(gpu, t * k * 4)?;
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
     let counts = DevBuf::zeros(gpu, e * 4)?;
@@ -272,14 +285,15 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     let inter = w.experts.gate.rows;
     let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || ops::Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };
-    ops::gemm(c, &w.experts.gate, Some(&w.experts.up), x.ptr(), h, assign_tok.ptr, t * k, Some(grouped()), hbuf.ptr, inter)?;
+    ops::gemm(c, &w.experts.gate, Some(&w.experts.up), &xp, assign_tok.ptr, t * k, Some(grouped()), hbuf.ptr, inter)?;
     let ybuf = DevBuf::alloc(gpu, t * k * h * 4)?;
-    ops::gemm(c, &w.experts.down, None, hbuf.ptr, inter, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
+    let hp = ops::gemm_x(c, hbuf.ptr, inter, t * k, inter)?;
+    ops::gemm(c, &w.experts.down, None, &hp, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
     // Shared expert (all tokens) and its sigmoid gate.
     let mut shared_out = None;
     if let (Some(m), Some(gw)) = (&w.shared, &w.shared_gate) {
         let sg = b.tensor(t, 1)?;
-        ops::matmul(c, gw, x.ptr(), h, t, sg.ptr(), 1)?;
+        ops::matmul_x(c, gw, x.ptr(), h, &xp, t, sg.ptr(), 1)?;
         let is = m.gate_proj.rows;
         let sh_h = b.tensor(t, is)?;
         if t <= 8 {
@@ -289,7 +303,7 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
             ops::matmul(c, &m.up_proj, x.ptr(), h, t, up.ptr(), is)?;
             ops::silu_mul(c, gt.ptr(), up.ptr(), sh_h.ptr(), t * is)?;
         } else {
-            ops::gemm(c, &m.gate_proj, Some(&m.up_proj), x.ptr(), h, 0, t, None, sh_h.ptr(), is)?;
+            ops::gemm(c, &m.gate_proj, Some(&m.up_proj), &xp, 0, t, None, sh_h.ptr(), is)?;
         }
         let sh = b.tensor(t, h)?;
         ops::matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;

@@ -7,13 +7,15 @@
 //! with f32 accumulation (weights stay 4-bit in memory, see `weights`). The op-level [`Backend`]
 //! implementation serves prefill and any batch; [`decode::DecodeGraph`] is the fast single-token
 //! path: one CUDA graph per step, fused kernels, the sampled token written on the GPU into the
-//! next step's input.
+//! next step's input; [`GraphDecoder`] offers it to the engine (`orchid_model::FastDecode`) for
+//! single-sequence decoding.
 
 pub mod bf16ref;
 pub mod compile;
 pub mod decode;
 pub mod driver;
 pub mod exec;
+pub mod graph_decoder;
 pub mod ops;
 pub mod state;
 pub mod weights;
@@ -30,6 +32,7 @@ use orchid_model::weights::HostMlp;
 
 pub use decode::DecodeGraph;
 pub use driver::{available, probe};
+pub use graph_decoder::GraphDecoder;
 pub use ops::sampling::SampleParams;
 pub use state::CudaState;
 pub use weights::{GpuExperts, GpuLinear, GpuVec};

@@ -287,7 +287,7 @@ impl Weights {
     }
     /// The real launch shape (ops::gemv): warps per tile and blocks.
     fn shape(&self, sms: usize) -> (usize, usize) {
-        let ks = ops::gemv_launch_ksplit(K / 128, self.tiles(), 2 * sms);
+        let ks = ops::gemv_launch_ksplit(K / 128, self.tiles(), |_| 2 * sms).unwrap_or_else(|| ops::gemv_ksplit(K / 128));
         (ks, self.tiles().div_ceil(8 / ks))
     }
 }
@@ -399,7 +399,11 @@ impl Bench {
         let k = self.kern(kname);
         let grid = (blocks as u32, 1, 1);
         if kname == "gemv_q4" {
-            k.launch(&self.gpu, grid, 256, smem, &self.gemv_args(w, j, ks)).map_err(e)
+            // Since run 5 gemv_q4 streams its weights through a shared-memory ring (kernels/gemv.cu).
+            // (its own shared-memory layout: ops::gemv_smem, not the replicas' `smem`).
+            let a = self.gemv_args(w, j, ks);
+            let real = ops::gemv_smem(orchid_cuda::weights::WFormat::Q4, K, 1) as u32;
+            k.launch(&self.gpu, grid, 256, real.max(smem), &a).map_err(e)
         } else {
             k.launch(&self.gpu, grid, 256, smem, &self.diag_args(w, j, ks)).map_err(e)
         }

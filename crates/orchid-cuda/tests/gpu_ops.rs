@@ -72,7 +72,8 @@ fn matmul_q4_and_bf16() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut rng = Rng::new(2);
-    let shapes = [(64usize, 33usize), (128, 512), (192, 130), (2048, 257), (4096, 2048), (512, 2048)];
+    // (256, 60001): more tiles than one wave holds, so the matvec streams (gemv_stream_body).
+    let shapes = [(64usize, 33usize), (128, 512), (192, 130), (2048, 257), (4096, 2048), (512, 2048), (256, 60001)];
     for &(k, n) in &shapes {
         for (fmt, name) in [(Fmt::Mlx, "q4"), (Fmt::Hf, "bf16")] {
             let w = linear(&mut rng, n, k, fmt, 4);

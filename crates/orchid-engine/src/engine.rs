@@ -6,6 +6,21 @@
 //! Determinism: a sequence's prompt is always split at the same chunk boundaries and every
 //! op computes each row independently, so a request's output does not depend on what else
 //! is running.
+//!
+//! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphDecoder`, a
+//! captured decode graph with sampling on the GPU). When exactly one sequence is running, it
+//! is past its prompt and the device sampler can honour its request (no repetition/presence/
+//! frequency penalty, no logprobs, finite parameters), the step runs through it instead of the
+//! batched forward call; anything else (a second request arriving, a prefill, penalties) runs
+//! the generic step, and the next single-sequence step goes back to the fast path. Both work
+//! on the same state, so switching at a step boundary is free (the fast decoder re-uploads its
+//! input token and position when the generic path moved the sequence on). Stop tokens, stop
+//! strings, max_tokens, the context limit and streaming stay here, the same for both paths.
+//! Greedy output is the same on both paths up to floating-point differences between the two
+//! kernel sets (a near-tie of the top two logits can flip); seeded sampling on the device is
+//! reproducible but draws from its own generator, keyed by (seed, token index), not from the
+//! host sampler's stream, so a seeded sampled request gives different (equally distributed)
+//! text with the fast path on and off.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -13,12 +28,12 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
-use orchid_model::{Backend, BatchLayout, LogitRows, Model, SeqSpan, StateOptions, StatePool};
+use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode, LogitRows, Model, SeqSpan, StateOptions, StatePool};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::detokenize::Detokenizer;
 use crate::request::{Event, FinishReason, GenerateRequest, SubmitError, Usage};
-use crate::sampling::{Sampler, logprobs};
+use crate::sampling::{Rng, Sampler, SamplingParams, logprobs};
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::tokenizer::Tokenizer;
 
@@ -32,11 +47,35 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// Requests allowed to wait for a slot.
     pub max_queue: usize,
+    /// Decode a lone sequence through the backend's fast decoder when it has one (CUDA: the
+    /// decode graph). Default: on, unless the environment sets `ORCHID_DECODE_GRAPH=0`.
+    pub fast_decode: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { max_seqs: 16, max_context: 32768, prefill_chunk: 512, max_queue: 64 }
+        EngineOptions { max_seqs: 16, max_context: 32768, prefill_chunk: 512, max_queue: 64, fast_decode: fast_decode_default() }
+    }
+}
+
+/// `ORCHID_DECODE_GRAPH=0` (or `false`/`off`/`no`) turns the fast decode path off by default.
+pub fn fast_decode_default() -> bool {
+    match std::env::var("ORCHID_DECODE_GRAPH") {
+        Ok(v) => !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no"),
+        Err(_) => true,
+    }
+}
+
+/// What an engine loader returns: the model and, optionally, the backend's fast
+/// single-sequence decoder (see the module docs).
+pub struct LoadedModel<B: Backend> {
+    pub model: Model<B>,
+    pub fast_decode: Option<Box<dyn FastDecode<B>>>,
+}
+
+impl<B: Backend> From<Model<B>> for LoadedModel<B> {
+    fn from(model: Model<B>) -> Self {
+        LoadedModel { model, fast_decode: None }
     }
 }
 
@@ -60,6 +99,8 @@ pub struct EngineStats {
     pub cancelled: AtomicUsize,
     pub prompt_tokens: AtomicUsize,
     pub generated_tokens: AtomicUsize,
+    /// Decode steps run by the fast decoder (the rest of the decoding ran the generic step).
+    pub fast_decode_steps: AtomicUsize,
 }
 
 enum Command {
@@ -148,6 +189,15 @@ where
     B: Backend,
     F: FnOnce() -> anyhow::Result<Model<B>> + Send + 'static,
 {
+    spawn_with(opts, tokenizer, move || load().map(LoadedModel::from))
+}
+
+/// Like [`spawn`], for a loader that also provides the backend's fast decoder.
+pub fn spawn_with<B, F>(opts: EngineOptions, tokenizer: Arc<Tokenizer>, load: F) -> EngineHandle
+where
+    B: Backend,
+    F: FnOnce() -> anyhow::Result<LoadedModel<B>> + Send + 'static,
+{
     let (tx, rx) = channel();
     let info = Arc::new(OnceLock::new());
     let stats = Arc::new(EngineStats::default());
@@ -155,12 +205,23 @@ where
     let thread = std::thread::Builder::new()
         .name("orchid-engine".into())
         .spawn(move || {
-            let model = match load() {
-                Ok(m) => m,
+            let (model, fast) = match load() {
+                Ok(l) => (l.model, l.fast_decode),
                 Err(e) => {
                     let _ = info2.set(Err(format!("{e:#}")));
                     return;
                 }
+            };
+            let fast = match fast {
+                Some(f) if opts2.fast_decode => {
+                    tracing::info!("single-sequence decoding: {}", f.name());
+                    Some(f)
+                }
+                Some(f) => {
+                    tracing::info!("single-sequence decoding: {} turned off, generic path", f.name());
+                    None
+                }
+                None => None,
             };
             let max_context = opts2.max_context.min(model.config.max_position_embeddings);
             let state = match model.new_state(StateOptions { max_seqs: opts2.max_seqs, max_context }) {
@@ -177,7 +238,7 @@ where
                 weight_bytes: model.weight_bytes,
                 num_layers: model.config.num_layers(),
             }));
-            let mut e = Engine { model, state, tokenizer, opts: opts2, max_context, stats: stats2, waiting: VecDeque::new(), running: Vec::new() };
+            let mut e = Engine { model, state, fast, tokenizer, opts: opts2, max_context, stats: stats2, waiting: VecDeque::new(), running: Vec::new() };
             e.run(rx);
         })
         .expect("spawning the engine thread");
@@ -202,6 +263,10 @@ struct Seq {
     stop: StopMatcher,
     req: GenerateRequest,
     tx: UnboundedSender<Event>,
+    /// Whether the fast decoder's device sampler can serve this request.
+    fast_ok: bool,
+    /// Seed of the device sampler (the request's, else a random one).
+    device_seed: u64,
 }
 
 impl Seq {
@@ -217,6 +282,7 @@ impl Seq {
 struct Engine<B: Backend> {
     model: Model<B>,
     state: B::State,
+    fast: Option<Box<dyn FastDecode<B>>>,
     tokenizer: Arc<Tokenizer>,
     opts: EngineOptions,
     max_context: usize,
@@ -289,6 +355,8 @@ impl<B: Backend> Engine<B> {
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             self.stats.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
             let req = *req;
+            let fast_ok = device_sampling_ok(&req);
+            let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
                 slot,
                 prompt: req.prompt.clone(),
@@ -299,6 +367,8 @@ impl<B: Backend> Engine<B> {
                 stop: StopMatcher::new(req.stop.clone()),
                 req,
                 tx,
+                fast_ok,
+                device_seed,
             });
         }
     }
@@ -308,7 +378,7 @@ impl<B: Backend> Engine<B> {
         // Clients that went away (even mid-prompt) free their slots now.
         let gone: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].tx.is_closed()).collect();
         self.retire(&gone);
-        if self.running.is_empty() {
+        if self.running.is_empty() || self.fast_step() {
             return;
         }
         let chunk = self.opts.prefill_chunk.max(1);
@@ -377,6 +447,49 @@ impl<B: Backend> Engine<B> {
         self.retire(&done);
     }
 
+    /// Decodes the only running sequence through the fast decoder when it can (see the module
+    /// docs); false when the generic step has to run instead.
+    fn fast_step(&mut self) -> bool {
+        let Some(fast) = self.fast.as_mut() else { return false };
+        if self.running.len() != 1 || !self.running[0].decoding() || !self.running[0].fast_ok {
+            return false;
+        }
+        let s = &self.running[0];
+        let p = &s.req.sampling;
+        let valid = self.tokenizer.vocab_size().min(self.model.config.vocab_size);
+        let sampling = DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: s.device_seed, valid };
+        if let Err(e) = fast.prepare(&self.model, &mut self.state, s.slot, &sampling) {
+            tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
+            self.fast = None;
+            return false;
+        }
+        let step = DecodeStep {
+            slot: s.slot,
+            token: *s.generated.last().expect("a decoding sequence has a sampled token"),
+            pos: s.position(),
+            index: s.generated.len(),
+            sampling,
+        };
+        match fast.step(&self.model, &mut self.state, &step) {
+            Ok(tok) => {
+                self.stats.fast_decode_steps.fetch_add(1, Ordering::Relaxed);
+                // Counted as the generic step counts (a token of a sequence that goes on).
+                if emit(&mut self.running[0], tok, None, self.max_context) {
+                    self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.retire(&[0]);
+                }
+            }
+            Err(e) => {
+                let msg = format!("inference failed: {e}");
+                tracing::error!("{msg} ({})", fast.name());
+                let _ = self.running[0].tx.send(Event::Error(msg));
+                self.retire(&[0]);
+            }
+        }
+        true
+    }
+
     /// Frees the slots of finished or failed sequences.
     fn retire(&mut self, idx: &[usize]) {
         let mut idx = idx.to_vec();
@@ -395,6 +508,18 @@ impl<B: Backend> Engine<B> {
         self.stats.state_bytes.store(self.state.bytes_in_use(), Ordering::Relaxed);
         self.stats.state_slots.store(self.state.capacity(), Ordering::Relaxed);
     }
+}
+
+/// Whether the fast decoder's device sampler can serve `req` as the host sampler would: no
+/// penalties, no logprobs, finite parameters (temperature, top-k, top-p, min-p and the seed are
+/// what it implements).
+pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
+    let p: &SamplingParams = &req.sampling;
+    req.logprobs.is_none()
+        && p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+        && (p.is_greedy() || (p.temperature.is_finite() && p.top_p.is_finite() && p.min_p.is_finite()))
 }
 
 /// Records a sampled token and streams it; false when the sequence is finished (or its

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod fast_decode;
 pub mod linear;
 pub mod model;
 pub mod quant;
@@ -19,6 +20,7 @@ pub use backend::{Backend, StateOptions, StatePool};
 pub use batch::{BatchLayout, LogitRows, SeqSpan};
 pub use config::{LayerKind, ModelConfig};
 pub use error::{Error, Result};
+pub use fast_decode::{DecodeStep, DeviceSampling, FastDecode};
 pub use model::Model;
 
 /// Reads a checkpoint folder (config + weights) and uploads it to `backend`.

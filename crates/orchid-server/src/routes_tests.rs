@@ -29,6 +29,7 @@ fn state() -> AppState {
         max_context: 64,
         prefill_chunk: 16,
         max_queue: 2,
+        ..Default::default()
     };
     let engine = spawn::<orchid_cpu::CpuBackend, _>(opts, tok.clone(), || Err(anyhow::anyhow!("no model in unit tests")));
     let mut cfg = ServerConfig::new("test-model");

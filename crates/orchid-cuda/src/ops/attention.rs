@@ -81,7 +81,7 @@ pub fn prefill_smem(d: usize) -> usize {
 
 pub fn decode_smem(d: usize) -> usize {
     let (_, tk) = tiles_for(d);
-    let kv = 4 * 2 * tk * (d + 8) * 2;
+    let kv = 4 * 2 * 2 * tk * (d + 8) * 2; // 4 warps, 2 buffers, K and V
     let merge = (128 + 16 * d) * 4;
     16 * (d + 8) * 2 + kv.max(merge)
 }
@@ -111,10 +111,16 @@ pub fn prefill(c: &Ctx, a: &AttnArgs, d: usize) -> Result<()> {
     c.k(&name).launch(&c.gpu, (rows.div_ceil(64) as u32, a.hkv as u32, 1), 128, prefill_smem(d) as u32, a)
 }
 
-pub fn decode(c: &Ctx, a: &AttnArgs, d: usize) -> Result<()> {
-    let name = format!("attn_decode_d{d}");
+/// Split-K decode of one token, then the combine. The decode kernel also does attn_prep's work
+/// for the token (`prep`: q norm + RoPE into shared memory, the new key and value into the
+/// cache), so callers launch no separate prep (`prep.t` must be 1).
+pub fn decode(c: &Ctx, a: &AttnArgs, d: usize, prep: &PrepArgs) -> Result<()> {
+    if prep.t != 1 {
+        return Err(Error::Op { op: "attention decode", msg: format!("one token per decode, not {}", prep.t) });
+    }
     let nz = (a.g as usize).div_ceil(16);
-    c.k(&name).launch(&c.gpu, (a.hkv as u32, a.nsplit as u32, nz as u32), 128, decode_smem(d) as u32, a)?;
+    let grid = (a.hkv as u32, a.nsplit as u32, nz as u32);
+    c.k(&format!("attn_decode_d{d}")).launch_raw(&c.gpu, grid, 128, decode_smem(d) as u32, super::params!(*a, *prep))?;
     let d32 = d as i32;
     c.k("attn_combine").launch_raw(&c.gpu, (a.hq as u32, 1, 1), 256, 0, super::params!(*a, d32))
 }

@@ -12,12 +12,12 @@ use crate::weights::{GpuLinear, WFormat};
 /// Every kernel name, per source file.
 pub const KERNEL_NAMES: &[(&str, &[&str])] = &[
     ("elementwise", &["rms_norm", "add_rms_norm", "add_assign", "silu_mul", "gather_rows", "embed_q4", "embed_bf16"]),
-    ("gemv", &["gemv_q4", "gemv_bf16", "moe_up_q4", "moe_up_bf16", "moe_down_q4", "moe_down_bf16"]),
+    ("gemv", &["gemv_q4", "gemv_bf16", "gemv_q4_stream", "gemv_bf16_stream", "moe_up_q4", "moe_up_bf16", "moe_down_q4", "moe_down_bf16"]),
     (
         "gemm",
         &[
             "gemm_q4_n32", "gemm_q4_pair_n32", "gemm_bf16_n32", "gemm_bf16_pair_n32", "gemm_q4_n64", "gemm_q4_n128", "gemm_q4_pair_n64", "gemm_q4_pair_n128", "gemm_bf16_n64", "gemm_bf16_n128",
-            "gemm_bf16_pair_n64", "gemm_bf16_pair_n128",
+            "gemm_bf16_pair_n64", "gemm_bf16_pair_n128", "gemm_xprep",
         ],
     ),
     (
@@ -27,7 +27,7 @@ pub const KERNEL_NAMES: &[(&str, &[&str])] = &[
             "attn_prefill_d128", "attn_decode_d128", "attn_prefill_d256", "attn_decode_d256",
         ],
     ),
-    ("deltanet", &["gdn_conv", "gdn_prep", "gdn_chunk", "gdn_gated_norm", "gdn_decode"]),
+    ("deltanet", &["gdn_conv", "gdn_prep", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm", "gdn_decode"]),
     ("moe", &["moe_topk", "moe_scan", "moe_scatter", "moe_combine"]),
     ("sampling", &["sample_argmax", "sample_general"]),
 ];
@@ -59,6 +59,15 @@ impl Ctx {
             let names = KERNEL_NAMES.iter().find(|(n, _)| n == name).map(|(_, k)| *k).unwrap_or(&[]);
             for k in crate::driver::load_module(&gpu, &cubin, names)? {
                 kernels.insert(k.name, k);
+            }
+        }
+        // The GEMMs run up to two blocks of ~110 KB per SM: ask for the largest shared-memory
+        // carveout (a hint; the driver may also pick it on its own, so a refusal is ignored).
+        for (name, k) in kernels.iter() {
+            if name.starts_with("gemm_") {
+                use cudarc::driver::sys;
+                // SAFETY: a live function handle of a loaded module; the value is a percentage.
+                let _ = unsafe { sys::cuFuncSetAttribute(k.f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100) };
             }
         }
         Ok(Ctx { gpu, kernels })
@@ -185,21 +194,49 @@ pub fn gemv_ksplit(nunits: usize) -> usize {
 }
 
 /// Warps per tile for a matvec of `tiles` 16-row tiles: the most that still fit every block in
-/// one wave of `capacity` resident blocks (so no block waits for a second wave and x is staged
-/// once per block), at most 8 units per warp (two load batches); else about four units per warp.
-pub fn gemv_launch_ksplit(nunits: usize, tiles: usize, capacity: usize) -> usize {
-    for ks in [8usize, 4, 2, 1] {
-        if nunits / ks >= 1 && nunits.div_ceil(ks) <= 8 && tiles.div_ceil(8 / ks) <= capacity {
-            return ks;
-        }
-    }
-    gemv_ksplit(nunits)
+/// one wave (`resident(ks)`: blocks resident at once with that shape), so no block waits for a
+/// second wave and x is staged once per block, at most 8 units per warp. None if no shape fits
+/// one wave (then the matvec streams: `gemv_stream_body`).
+pub fn gemv_launch_ksplit(nunits: usize, tiles: usize, resident: impl Fn(usize) -> usize) -> Option<usize> {
+    [8usize, 4, 2, 1].into_iter().find(|&ks| nunits / ks >= 1 && nunits.div_ceil(ks) <= 8 && tiles.div_ceil(8 / ks) <= resident(ks))
+}
+
+/// Blocks of the decode matvec kernels per SM by registers (≤ 80 each: `__launch_bounds__(256, 3)`).
+pub const GEMV_BLOCKS_PER_SM: usize = 3;
+
+/// Resident blocks of a decode kernel using `smem` bytes of dynamic shared memory: at most
+/// GEMV_BLOCKS_PER_SM per SM, fewer where shared memory runs out (1 KB reserved per block).
+pub fn gemv_resident(gpu: &crate::driver::Gpu, smem: usize) -> usize {
+    let per_sm = (gpu.max_smem_optin as usize + 1024) / (smem + 1024);
+    gpu.sms as usize * per_sm.clamp(1, GEMV_BLOCKS_PER_SM)
 }
 
 /// Warps per 16-row tile of the decode `moe_up` kernel: two units of gate and two of up per warp
-/// (its register batch), so one batch covers K = 2048 (Q4) with 8 warps per tile.
+/// (four ring slots: all requested at once), so K = 2048 (Q4) takes 8 warps per tile.
 pub fn moe_up_ksplit(nunits: usize) -> usize {
     nunits.div_ceil(2).next_power_of_two().clamp(1, 8)
+}
+
+/// Unit slots per warp of the decode kernels' shared-memory weight ring (kernels/gemv.cu RING).
+pub const RING_SLOTS: usize = 4;
+
+/// Shared memory of the 8 warps' rings: a slot holds one unit of a 16-row tile for 32 lanes.
+pub fn ring_bytes(fmt: WFormat) -> usize {
+    8 * RING_SLOTS * if fmt == WFormat::Q4 { 32 * 48 } else { 32 * 32 }
+}
+
+/// Shared-memory bytes of one staged activation row (kernels/gemv.cu x_words): Q4 kernels keep
+/// x in the mma fragment order, 4 x 20 words per 128-k unit; BF16 kernels as a padded row.
+pub fn x_stage_bytes(fmt: WFormat, kpad: usize) -> usize {
+    match fmt {
+        WFormat::Q4 => kpad / 128 * 4 * 20 * 4,
+        WFormat::Bf16 => (kpad + 8) * 2,
+    }
+}
+
+/// Dynamic shared memory of a decode matvec (gemv_q4 / gemv_bf16).
+pub fn gemv_smem(fmt: WFormat, kpad: usize, t: usize) -> usize {
+    ring_bytes(fmt) + t * x_stage_bytes(fmt, kpad) + t * (kpad / 64) * 4 + 8 * 32 * 4 * 4
 }
 
 pub fn units_of(fmt: WFormat, kpad: usize) -> usize {
@@ -285,13 +322,20 @@ pub fn gemv(
     if a.route_counter != 0 && a.partial != 0 {
         kparts = ROUTER_KPARTS.min(units / 2).max(1);
     }
-    let ks = if kparts > 1 { 8 } else { gemv_launch_ksplit(units, total_tiles, 2 * c.gpu.sms as usize) };
+    let smem = gemv_smem(fmt, kpad, t);
+    let resident = |_ks: usize| gemv_resident(&c.gpu, smem);
+    let name = if fmt == WFormat::Q4 { "gemv_q4" } else { "gemv_bf16" };
+    if kparts == 1 && a.route_counter == 0 && segs.len() == 1 && gemv_launch_ksplit(units, total_tiles, resident).is_none() {
+        // Too large for one wave (the lm_head): resident blocks whose warps stream whole tiles.
+        a.ksplit = 1;
+        a.kparts = 1;
+        let blocks = resident(1).min(total_tiles.div_ceil(8));
+        return c.k(&format!("{name}_stream")).launch(&c.gpu, (blocks as u32, 1, 1), 256, smem as u32, &a);
+    }
+    let ks = if kparts > 1 { 8 } else { gemv_launch_ksplit(units, total_tiles, resident).unwrap_or_else(|| gemv_ksplit(units)) };
     a.ksplit = ks as i32;
     a.kparts = kparts as i32;
-    let tpb = 8 / ks;
-    let blocks = total_tiles.div_ceil(tpb);
-    let smem = t * (kpad + 8) * 2 + t * (kpad / 64) * 4 + 8 * 32 * 4 * 4;
-    let name = if fmt == WFormat::Q4 { "gemv_q4" } else { "gemv_bf16" };
+    let blocks = total_tiles.div_ceil(8 / ks);
     c.k(name).launch(&c.gpu, (blocks as u32, kparts as u32, 1), 256, smem as u32, &a)
 }
 
@@ -402,7 +446,7 @@ pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64
     a.ksplit = ks as i32;
     let tiles = m.hstride().div_ceil(16);
     let nsrc = m.topk + a.has_shared as usize;
-    let smem = (kpad + 8) * 2 + (kpad / 64) * 4 + 8 * 32 * 8 * 4;
+    let smem = ring_bytes(fmt) + x_stage_bytes(fmt, kpad) + (kpad / 64) * 4 + 8 * 32 * 8 * 4;
     let name = if fmt == WFormat::Q4 { "moe_up_q4" } else { "moe_up_bf16" };
     c.k(name).launch(&c.gpu, (tiles.div_ceil(8 / ks) as u32, nsrc as u32, 1), 256, smem as u32, &a)
 }
@@ -430,7 +474,7 @@ pub fn moe_down(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64
     a.ksplit = 8;
     let nsrc = m.topk + a.has_shared as usize;
     let kmax = (a.kpad_r.max(a.kpad_s)) as usize;
-    let smem = nsrc * (kmax + 8) * 2 + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
+    let smem = ring_bytes(fmt) + nsrc * x_stage_bytes(fmt, kmax) + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
     let name = if fmt == WFormat::Q4 { "moe_down_q4" } else { "moe_down_bf16" };
     c.k(name).launch(&c.gpu, (hdim.div_ceil(16) as u32, 1, 1), 256, smem as u32, &a)
 }
@@ -445,7 +489,9 @@ pub struct GemmArgs {
     pub sb: u64,
     pub w2: u64,
     pub sb2: u64,
+    /// Prepared activations (`GemmX`): bf16 rows [*, kpad] and their group sums [*, kpad / 64].
     pub x: u64,
+    pub xs: u64,
     pub x_rows: u64,
     pub out: u64,
     pub tiles: u64,
@@ -454,10 +500,10 @@ pub struct GemmArgs {
     pub rows_e: i32,
     pub k: i32,
     pub kpad: i32,
-    pub ldx: i32,
     pub ldo: i32,
     pub t: i32,
-    pub pad: i32,
+    pub pad0: i32,
+    pub pad1: i32,
 }
 
 /// Token-tile width: 32 for sparse groups (fewer than 32 tokens per expert on average: the
@@ -472,13 +518,44 @@ pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
     }
 }
 
+/// Token-tile width of a dense GEMM with `row_blocks` blocks along the weight rows: `gemm_bn`,
+/// halved (down to 32) while the grid has fewer blocks than the GPU has SMs, so that small
+/// GEMMs spread over more SMs (no split-K: the sums and their order do not depend on the tile
+/// width). Q4 narrows only while the narrower grid still fits one block per SM, a rule set when
+/// a Q4 block's main cost, dequantising its 128 weight rows in registers, was the same for any
+/// width (since then the 32-token kernel dequantises each fragment once, the 64/128-token ones
+/// by 4 token warps: to be re-measured); a bf16 block's work shrinks with its width.
+pub fn gemm_bn_dense(fmt: WFormat, t: usize, row_blocks: usize, sms: usize) -> usize {
+    let blocks = |bn: usize| row_blocks * t.div_ceil(bn);
+    let mut bn = gemm_bn(fmt, t, None);
+    while bn > 32 && blocks(bn) < sms && (fmt == WFormat::Bf16 || blocks(bn / 2) <= sms) {
+        bn /= 2;
+    }
+    bn
+}
+
+/// cp.async pipeline stages of each GEMM kernel (kernels/gemm.cu `GemmCfg::STAGES`): Q4 BN 32/64
+/// and bf16 BN 64 stay within 113 KB (two blocks per SM), the others within 227 KB (one block).
+pub fn gemm_stages(fmt: WFormat, bn: usize) -> usize {
+    match (fmt, bn) {
+        (WFormat::Q4, 32) => 6,
+        (WFormat::Q4, 64) => 4,
+        (WFormat::Q4, _) => 5,
+        (WFormat::Bf16, 32) => 4,
+        (WFormat::Bf16, 64) => 2,
+        (WFormat::Bf16, _) => 3,
+    }
+}
+
+/// Dynamic shared memory of a GEMM kernel: its stages (weights, token rows, group sums per
+/// k-step), or the epilogue's C tile if larger (kernels/gemm.cu `GemmCfg::SMEM`).
 pub fn gemm_smem(fmt: WFormat, bn: usize) -> usize {
     let a = match fmt {
         WFormat::Q4 => 128 * 64 + 128 * 8,
         WFormat::Bf16 => 128 * 136 * 2,
     };
-    let stages = 2 * (a + bn * 136 * 2 + bn * 8);
-    stages.max(bn * (128 + 4) * 4)
+    let stage = a + bn * 136 * 2 + bn * 2 * 4;
+    (gemm_stages(fmt, bn) * stage).max(bn * (128 + 4) * 4)
 }
 
 /// Grouped tiles: (tile table, device count, upper bound of tiles, the table's tile width).
@@ -489,36 +566,80 @@ pub struct Grouped {
     pub bn: usize,
 }
 
-/// out[n, r] = Σ_k x[rows(n), k] W[r, k] (PAIR: silu(gate) ⊙ up) for many tokens.
+/// Activations prepared once for the GEMMs (`gemm_xprep`): `rows` rows of x rounded to bf16
+/// [rows, kpad] (zero beyond K), then the sum of each 64-group of the rounded values
+/// [rows, kpad / 64] f32, in one device buffer (freed, stream-ordered, when dropped).
+pub struct GemmX {
+    pub buf: DevBuf,
+    pub rows: usize,
+    pub k: usize,
+    pub kpad: usize,
+}
+
+impl GemmX {
+    pub fn xb(&self) -> u64 {
+        self.buf.ptr
+    }
+    pub fn xs(&self) -> u64 {
+        self.buf.ptr + (self.rows * self.kpad * 2) as u64
+    }
+}
+
+/// Prepares `rows` rows of x (f32, row stride `ldx`, `k` columns) for `gemm`.
+pub fn gemm_x(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize) -> Result<GemmX> {
+    if !k.is_multiple_of(4) || !ldx.is_multiple_of(4) || ldx < k {
+        return Err(Error::Op { op: "gemm", msg: format!("K {k} and the row stride {ldx} must be multiples of 4 (stride ≥ K)") });
+    }
+    let kpad = crate::weights::round_up(k.max(1), crate::weights::K_PAD);
+    let buf = DevBuf::alloc(&c.gpu, rows * kpad * 2 + rows * (kpad / 64) * 4)?;
+    let xp = GemmX { buf, rows, k, kpad };
+    let threads = rows * kpad / 32;
+    if threads > 0 {
+        let (xb, xs) = (xp.xb(), xp.xs());
+        let (rows32, ldx32, k32, kpad32) = (rows as i32, ldx as i32, k as i32, kpad as i32);
+        c.k("gemm_xprep").launch_raw(&c.gpu, (threads.div_ceil(256) as u32, 1, 1), 256, 0, params!(x, xb, xs, rows32, ldx32, k32, kpad32))?;
+    }
+    Ok(xp)
+}
+
+/// out[n, r] = Σ_k x[rows(n), k] W[r, k] (PAIR: silu(gate) ⊙ up) for many tokens; `x` prepared
+/// by `gemm_x` (row n reads prepared row x_rows[n], or n when x_rows is 0).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     c: &Ctx,
     w: &GpuLinear,
     w2: Option<&GpuLinear>,
-    x: u64,
-    ldx: usize,
+    x: &GemmX,
     x_rows: u64,
     t: usize,
     grouped: Option<Grouped>,
     out: u64,
     ldo: usize,
 ) -> Result<()> {
-    if w.cols % 4 != 0 || ldx % 4 != 0 {
-        return Err(Error::Op { op: "gemm", msg: format!("K {} and the row stride {ldx} must be multiples of 4", w.cols) });
+    if x.k != w.cols || x.kpad != w.kpad {
+        return Err(Error::Op { op: "gemm", msg: format!("x prepared for K {} (padded {}), W has K {} (padded {})", x.k, x.kpad, w.cols, w.kpad) });
+    }
+    if x_rows == 0 && x.rows < t {
+        return Err(Error::Op { op: "gemm", msg: format!("{t} tokens but {} prepared rows", x.rows) });
     }
     if let Some(u) = w2 {
         if u.fmt != w.fmt || u.rows != w.rows || u.kpad != w.kpad || u.rows_pad != w.rows_pad {
             return Err(Error::Op { op: "gemm pair", msg: "gate and up differ in format or shape".into() });
         }
     }
-    let bn = grouped.as_ref().map_or_else(|| gemm_bn(w.fmt, t, None), |g| g.bn);
     let pair = w2.is_some();
+    let gx = w.rows.div_ceil(if pair { 64 } else { 128 });
+    let bn = grouped.as_ref().map_or_else(|| gemm_bn_dense(w.fmt, t, gx, c.gpu.sms as usize), |g| g.bn);
+    if !matches!(bn, 32 | 64 | 128) {
+        return Err(Error::Op { op: "gemm", msg: format!("token tile {bn} (32, 64 or 128)") });
+    }
     let a = GemmArgs {
         w: w.w_ptr(),
         sb: w.sb_ptr(),
         w2: w2.map_or(0, |u| u.w_ptr()),
         sb2: w2.map_or(0, |u| u.sb_ptr()),
-        x,
+        x: x.xb(),
+        xs: x.xs(),
         x_rows,
         out,
         tiles: grouped.as_ref().map_or(0, |g| g.tiles),
@@ -527,17 +648,16 @@ pub fn gemm(
         rows_e: w.rows_pad as i32,
         k: w.cols as i32,
         kpad: w.kpad as i32,
-        ldx: ldx as i32,
         ldo: ldo as i32,
         t: t as i32,
-        pad: 0,
+        pad0: 0,
+        pad1: 0,
     };
     let name = format!(
         "gemm_{}{}_n{bn}",
         if w.fmt == WFormat::Q4 { "q4" } else { "bf16" },
         if pair { "_pair" } else { "" }
     );
-    let gx = w.rows.div_ceil(if pair { 64 } else { 128 });
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, 1), 256, gemm_smem(w.fmt, bn) as u32, &a)
 }
@@ -547,7 +667,19 @@ pub fn matmul(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ld
     if t <= 8 {
         gemv(c, &[(w, 0)], x, ldx, t, None, out, ldo, false, None)
     } else {
-        gemm(c, w, None, x, ldx, 0, t, None, out, ldo)
+        let xp = gemm_x(c, x, ldx, t, w.cols)?;
+        gemm(c, w, None, &xp, 0, t, None, out, ldo)
+    }
+}
+
+/// `matmul` of an input several weights share: the GEMM (t > 8) reads `xp`, x prepared once by
+/// `gemm_x` (unless it was prepared for another K); the matvec reads x.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_x(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, xp: &GemmX, t: usize, out: u64, ldo: usize) -> Result<()> {
+    if t > 8 && xp.k == w.cols && xp.kpad == w.kpad && xp.rows >= t {
+        gemm(c, w, None, xp, 0, t, None, out, ldo)
+    } else {
+        matmul(c, w, x, ldx, t, out, ldo)
     }
 }
 
@@ -570,12 +702,12 @@ mod tests {
         assert_eq!(std::mem::size_of::<GemvArgs>(), 248);
         assert_eq!(std::mem::size_of::<MoeUpArgs>(), 144);
         assert_eq!(std::mem::size_of::<MoeDownArgs>(), 112);
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 104);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 112);
     }
 
     #[test]
     fn moe_up_split() {
-        assert_eq!(moe_up_ksplit(16), 8); // K = 2048 Q4: two units per warp, one batch
+        assert_eq!(moe_up_ksplit(16), 8); // K = 2048 Q4: two units of gate and two of up per warp
         assert_eq!(moe_up_ksplit(4), 2);
         assert_eq!(moe_up_ksplit(1), 1);
         assert_eq!(moe_up_ksplit(64), 8); // bf16 K = 2048: 64 units, four batches
@@ -583,12 +715,17 @@ mod tests {
 
     #[test]
     fn one_wave_matvecs() {
-        // qkv|z|b|a of the 35B (772 tiles, K = 2048): 2 warps per tile, 193 blocks.
-        assert_eq!(gemv_launch_ksplit(16, 772, 264), 2);
+        // qkv|z|b|a of the 35B (772 tiles, K = 2048) at 3 blocks/SM: 4 warps per tile, 386 blocks;
+        // at 2 blocks/SM: 2 warps per tile, 193 blocks.
+        assert_eq!(gemv_launch_ksplit(16, 772, |_| 396), Some(4));
+        assert_eq!(gemv_launch_ksplit(16, 772, |_| 264), Some(2));
         // out_proj (128 tiles, K = 4096): 8 warps per tile, 128 blocks.
-        assert_eq!(gemv_launch_ksplit(32, 128, 264), 8);
-        // lm_head does not fit one wave: about four units per warp.
-        assert_eq!(gemv_launch_ksplit(16, 15520, 264), 4);
+        assert_eq!(gemv_launch_ksplit(32, 128, |_| 264), Some(8));
+        // lm_head does not fit one wave: it streams.
+        assert_eq!(gemv_launch_ksplit(16, 15520, |_| 396), None);
+        // Rings: 4 slots of 1.5 KB (Q4) per warp, 48 KB per block; x of K = 2048 in fragment order.
+        assert_eq!(ring_bytes(WFormat::Q4), 48 * 1024);
+        assert_eq!(gemv_smem(WFormat::Q4, 2048, 1), 48 * 1024 + 5120 + 128 + 4096);
     }
 
     #[test]
@@ -597,6 +734,36 @@ mod tests {
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, None), 128);
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, Some(128)), 64);
         assert_eq!(gemm_bn(WFormat::Q4, 4096, Some(8)), 32);
-        assert!(gemm_smem(WFormat::Bf16, 128) <= 227 * 1024);
+        // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
+        let smem = |f, bn| gemm_smem(f, bn);
+        assert_eq!(smem(WFormat::Q4, 32), 109056); // 6 stages
+        assert_eq!(smem(WFormat::Q4, 64), 108544); // 4 stages
+        assert_eq!(smem(WFormat::Q4, 128), 225280); // 5 stages
+        assert_eq!(smem(WFormat::Bf16, 32), 175104); // 4 stages
+        assert_eq!(smem(WFormat::Bf16, 64), 105472); // 2 stages
+        assert_eq!(smem(WFormat::Bf16, 128), 211968); // 3 stages
+        for f in [WFormat::Q4, WFormat::Bf16] {
+            for bn in [32, 64, 128] {
+                assert!(gemm_smem(f, bn) <= 227 * 1024);
+                assert!(gemm_stages(f, bn) >= 2);
+            }
+        }
+        // Two blocks per SM (228 KB, 1 KB reserved per block) where the kernels ask for it.
+        for (f, bn) in [(WFormat::Q4, 32), (WFormat::Q4, 64), (WFormat::Bf16, 64)] {
+            assert!(2 * (gemm_smem(f, bn) + 1024) <= 228 * 1024);
+        }
+        // Dense tiles on 132 SMs (T = 256): Q4 with 16 row blocks (4 x 64-token tiles = 64
+        // blocks) narrows to 32 tokens; 64 row blocks (256 blocks) keep 64.
+        assert_eq!(gemm_bn_dense(WFormat::Q4, 256, 16, 132), 32);
+        assert_eq!(gemm_bn_dense(WFormat::Q4, 256, 64, 132), 64);
+        // 32 row blocks: 128 blocks of 64 tokens already fill one block per SM; 256 of 32 would
+        // put two on each SM (the rule in gemm_bn_dense).
+        assert_eq!(gemm_bn_dense(WFormat::Q4, 256, 32, 132), 64);
+        assert_eq!(gemm_bn_dense(WFormat::Q4, 256, 1, 132), 32);
+        assert_eq!(gemm_bn_dense(WFormat::Q4, 4096, 16, 132), 64);
+        // The router (256 experts = 2 row blocks, bf16): 128 -> 32.
+        assert_eq!(gemm_bn_dense(WFormat::Bf16, 256, 2, 132), 32);
+        assert_eq!(gemm_bn_dense(WFormat::Bf16, 4096, 64, 132), 128);
+        assert_eq!(gemm_bn_dense(WFormat::Bf16, 100, 128, 132), 64);
     }
 }

@@ -92,7 +92,13 @@ pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::Eng
     let dir2 = dir.to_path_buf();
     let engine = match resolve_device(device)? {
         Device::Cpu | Device::Auto => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cpu(&dir2)),
-        Device::Cuda => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cuda(&dir2)),
+        // The engine decodes a lone sequence through the CUDA decode graph (GPU sampling) and
+        // everything else through the op-level path (EngineOptions::fast_decode, ORCHID_DECODE_GRAPH=0).
+        Device::Cuda => orchid_engine::engine::spawn_with(opts, tokenizer.clone(), move || {
+            let model = load_cuda(&dir2)?;
+            let fast: Box<dyn orchid_model::FastDecode<orchid_cuda::CudaBackend>> = Box::new(orchid_cuda::GraphDecoder::new());
+            Ok(orchid_engine::engine::LoadedModel { model, fast_decode: Some(fast) })
+        }),
     };
     Ok(Loaded { tokenizer, engine })
 }

@@ -70,6 +70,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_context: a.max_context.max(2),
         prefill_chunk: a.prefill_chunk.max(1),
         max_queue: a.max_queue,
+        ..Default::default()
     };
     let loaded = start_engine(&dir, a.device, opts)?;
     let mut cfg = ServerConfig::new(model_id);

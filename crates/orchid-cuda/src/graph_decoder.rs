@@ -1,0 +1,162 @@
+//! The engine's fast single-sequence decode on CUDA: [`GraphDecoder`] implements
+//! `orchid_model::FastDecode` with one [`DecodeGraph`] per (state slot, greedy/sampled), captured
+//! on first use and kept for the life of the engine (a slot's state buffers never move, so a
+//! graph stays valid when the slot is freed and handed to the next request).
+//!
+//! Synchronisation with the generic (op-level) path. A graph's inputs are device integers of its
+//! own: the input token, the position and the step counter (the sampler writes the sampled token
+//! into the input and advances position and counter). The KV cache and the GDN states are the
+//! engine's `CudaState`, shared with the op-level path, and `DecodeGraph::launch` keeps the
+//! slot's `attn_len` in step. The decoder mirrors each graph's input token / position / counter
+//! on the host and uploads them only when the engine's step does not continue where the graph's
+//! last step stopped (first step after a prefill, steps after a batched op-level stretch, a new
+//! request in the slot): so consecutive fast steps need no host-to-device copy, and any
+//! interleaving with `Model::forward` is correct.
+//!
+//! Sampling runs on the GPU (`kernels/sampling.cu`): greedy is the same argmax as the host
+//! sampler (lowest id among equal maxima); temperature/top-k/top-p/min-p draw from a counter-based
+//! generator keyed by (seed, token index), so seeded output is reproducible on this path but is
+//! not the host sampler's random stream.
+
+use std::collections::HashMap;
+
+use orchid_model::error::{Error, Result};
+use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode};
+use orchid_model::Model;
+
+use crate::decode::DecodeGraph;
+use crate::ops::sampling::SampleParams;
+use crate::state::CudaState;
+use crate::CudaBackend;
+
+/// Capacity of a graph's token log (not used by the engine; the log stops at this many).
+const LOG_STEPS: usize = 16;
+
+struct Cached {
+    graph: DecodeGraph,
+    params: SampleParams,
+    /// What the graph's device input token holds (None: unknown, upload before the next step).
+    token: Option<u32>,
+    /// What its device step counter holds.
+    counter: Option<usize>,
+}
+
+/// Cached decode graphs per (slot, greedy); see the module docs.
+#[derive(Default)]
+pub struct GraphDecoder {
+    graphs: HashMap<(usize, bool), Cached>,
+}
+
+impl GraphDecoder {
+    pub fn new() -> GraphDecoder {
+        GraphDecoder::default()
+    }
+
+    /// Graphs captured so far.
+    pub fn graphs(&self) -> usize {
+        self.graphs.len()
+    }
+}
+
+/// The device sampler's parameters for `s` (greedy ones are normalised, so that requests that
+/// differ only in unused fields do not re-upload them).
+pub fn sample_params(s: &DeviceSampling) -> SampleParams {
+    let valid = s.valid.min(i32::MAX as usize) as i32;
+    if s.is_greedy() {
+        return SampleParams { valid, ..Default::default() };
+    }
+    SampleParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        top_k: s.top_k.min(i32::MAX as usize) as i32,
+        seed: s.seed,
+        valid,
+        pad: 0,
+    }
+}
+
+impl FastDecode<CudaBackend> for GraphDecoder {
+    fn name(&self) -> &str {
+        "cuda graph"
+    }
+
+    fn prepare(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, sampling: &DeviceSampling) -> Result<()> {
+        let p = sample_params(sampling);
+        let key = (slot, p.is_greedy());
+        match self.graphs.get_mut(&key) {
+            Some(c) => {
+                if c.params != p {
+                    c.graph.set_params(p)?;
+                    c.params = p;
+                }
+            }
+            None => {
+                let t = std::time::Instant::now();
+                let graph = DecodeGraph::new(model, state, slot, p, LOG_STEPS)?;
+                tracing::info!(
+                    "decode graph for slot {slot} ({}) captured in {:.0} ms: {} kernels per step, pdl {}",
+                    if key.1 { "greedy" } else { "sampled" },
+                    t.elapsed().as_secs_f64() * 1e3,
+                    graph.kernels_per_step,
+                    graph.pdl
+                );
+                self.graphs.insert(key, Cached { graph, params: p, token: None, counter: None });
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<u32> {
+        let p = sample_params(&step.sampling);
+        let key = (step.slot, p.is_greedy());
+        let c = self.graphs.get_mut(&key).ok_or_else(|| Error::Op { op: "decode", msg: format!("no decode graph for slot {} (prepare first)", step.slot) })?;
+        if c.params != p {
+            return Err(Error::Op { op: "decode", msg: "the sampling parameters changed since prepare".into() });
+        }
+        let r = (|| {
+            if c.token != Some(step.token) || c.graph.pos_host != step.pos {
+                c.token = None;
+                c.graph.set_input(step.token, step.pos)?;
+                c.token = Some(step.token);
+            }
+            // The counter only feeds the seeded generator (and the unused token log).
+            if !key.1 && c.counter != Some(step.index) {
+                c.counter = None;
+                c.graph.set_step(step.index)?;
+                c.counter = Some(step.index);
+            }
+            c.graph.step(state)
+        })();
+        match r {
+            Ok(tok) => {
+                c.token = Some(tok);
+                c.counter = c.counter.map(|n| n + 1);
+                Ok(tok)
+            }
+            Err(e) => {
+                c.token = None;
+                c.counter = None;
+                Err(e)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_sampler_parameters() {
+        let s = DeviceSampling { temperature: 0.7, top_k: 40, top_p: 0.9, min_p: 0.05, seed: 42, valid: 1000 };
+        let p = sample_params(&s);
+        assert_eq!((p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.valid), (0.7, 40, 0.9, 0.05, 42, 1000));
+        assert!(!p.is_greedy());
+        // Greedy requests map to one parameter set whatever their other fields (no re-upload).
+        let g1 = sample_params(&DeviceSampling { temperature: 0.0, ..s });
+        let g2 = sample_params(&DeviceSampling { top_k: 1, seed: 7, ..s });
+        assert!(g1.is_greedy() && g1 == g2 && g1 == SampleParams::greedy(1000));
+        assert_eq!(sample_params(&DeviceSampling { top_k: usize::MAX, ..s }).top_k, i32::MAX);
+    }
+}

@@ -1,0 +1,222 @@
+//! The engine's fast-decode hook (`FastDecode`), on the CPU with a recording mock that decodes
+//! through the op-level forward pass and samples greedily: the engine must hand it exactly the
+//! steps of a lone decoding sequence (input token = last generated token, position and index
+//! consistent), run everything else (prefill, several sequences, penalties, logprobs) on the
+//! generic path, fall back when `prepare` fails or the option is off, and produce the same
+//! greedy text either way. The real fast decoder (the CUDA graph) is tested on the GPU by
+//! crates/orchid-cuda/tests/gpu_engine.rs.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use orchid_cpu::CpuBackend;
+use orchid_engine::Tokenizer;
+use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
+use orchid_engine::request::{Event, FinishReason, GenerateRequest};
+use orchid_engine::sampling::{Sampler, SamplingParams, argmax};
+use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LogitRows, Model, Result};
+
+fn model_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/orchid-tiny")
+}
+
+#[derive(Default)]
+struct Log {
+    prepared: Vec<(usize, DeviceSampling)>,
+    steps: Vec<DecodeStep>,
+}
+
+struct Mock {
+    log: Arc<Mutex<Log>>,
+    fail_prepare: bool,
+}
+
+impl FastDecode<CpuBackend> for Mock {
+    fn name(&self) -> &str {
+        "mock"
+    }
+
+    fn prepare(&mut self, _m: &Model<CpuBackend>, _s: &mut <CpuBackend as Backend>::State, slot: usize, sampling: &DeviceSampling) -> Result<()> {
+        if self.fail_prepare {
+            return Err(Error::Backend("the mock refuses".into()));
+        }
+        self.log.lock().unwrap().prepared.push((slot, *sampling));
+        Ok(())
+    }
+
+    fn step(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, step: &DecodeStep) -> Result<u32> {
+        self.log.lock().unwrap().steps.push(*step);
+        let l = m.forward(&[step.token], &BatchLayout::single(step.slot, step.pos, 1), s, LogitRows::LastOfEachSpan)?;
+        let l = m.backend.to_host(&l)?;
+        let d = &step.sampling;
+        if d.is_greedy() {
+            return Ok(argmax(&l[..d.valid.min(l.len())]) as u32);
+        }
+        // A stand-in for a device sampler: a generator keyed by (seed, index).
+        let p = SamplingParams { temperature: d.temperature, top_k: d.top_k, top_p: d.top_p, min_p: d.min_p, seed: Some(d.seed ^ step.index as u64), ..Default::default() };
+        Ok(Sampler::new(p, &[]).sample(&l, d.valid))
+    }
+}
+
+fn start(fast: Option<bool>, fail_prepare: bool, enabled: bool) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
+    let dir = model_dir();
+    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let log = Arc::new(Mutex::new(Log::default()));
+    let log2 = log.clone();
+    let opts = EngineOptions { max_seqs: 4, max_context: 256, prefill_chunk: 16, max_queue: 8, fast_decode: enabled };
+    let e = spawn_with(opts, tok.clone(), move || {
+        let model = orchid_model::load_model(&dir, CpuBackend::new())?;
+        let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> = fast.map(|_| Box::new(Mock { log: log2, fail_prepare }) as Box<dyn FastDecode<CpuBackend>>);
+        Ok(LoadedModel { model, fast_decode })
+    });
+    e.wait_ready().unwrap();
+    (e, log, tok)
+}
+
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Out {
+    tokens: Vec<u32>,
+    text: String,
+    finish: Option<FinishReason>,
+}
+
+fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Out {
+    let mut o = Out::default();
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        match rx.try_recv() {
+            Ok(Event::Token { id, text, .. }) => {
+                o.tokens.push(id);
+                o.text.push_str(&text);
+            }
+            Ok(Event::Finished { reason, text, .. }) => {
+                o.text.push_str(&text);
+                o.finish = Some(reason);
+                return o;
+            }
+            Ok(Event::Error(e)) => panic!("generation failed: {e}"),
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
+                assert!(std::time::Instant::now() < deadline, "timed out");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn req(tok: &Tokenizer, text: &str, max_tokens: usize) -> GenerateRequest {
+    let mut r = GenerateRequest::new(tok.encode(text, false).unwrap());
+    r.max_tokens = max_tokens;
+    r
+}
+
+const PROMPTS: [&str; 3] = ["Once upon a time, in a small village by the sea,", "The capital of France is", "A cat sat"];
+
+/// Each logged step continues one of `outs` (prompt lengths `lens`): its token is the output's
+/// token `index - 1` at position prompt + index - 1. Returns how many steps each output got.
+fn check_steps(steps: &[DecodeStep], outs: &[(&Out, usize)]) -> Vec<usize> {
+    let mut per = vec![0; outs.len()];
+    for s in steps {
+        let who = outs.iter().position(|(o, len)| s.index >= 1 && s.index < o.tokens.len() + 1 && o.tokens.get(s.index - 1) == Some(&s.token) && s.pos == len + s.index - 1);
+        let who = who.unwrap_or_else(|| panic!("step {s:?} continues none of the outputs"));
+        per[who] += 1;
+    }
+    per
+}
+
+#[test]
+fn lone_sequence_goes_through_the_fast_decoder() {
+    let (plain, _, tok) = start(None, false, true);
+    let (fast, log, _) = start(Some(true), false, true);
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let r = req(&tok, p, 24 + 8 * i);
+        let a = collect(plain.submit(r.clone()).unwrap());
+        let before = log.lock().unwrap().steps.len();
+        let b = collect(fast.submit(r.clone()).unwrap());
+        assert_eq!(a, b, "prompt {p:?}: the fast hook changed the greedy output");
+        let l = log.lock().unwrap();
+        let steps = &l.steps[before..];
+        // Every token but the first (sampled from the prefill logits) came from the hook, in order.
+        assert_eq!(steps.len(), b.tokens.len() - 1, "prompt {p:?}");
+        for (k, s) in steps.iter().enumerate() {
+            assert_eq!((s.index, s.token, s.pos), (k + 1, b.tokens[k], r.prompt.len() + k), "prompt {p:?} step {k}");
+            assert!(s.sampling.is_greedy());
+            assert_eq!(s.sampling.valid, tok.vocab_size());
+        }
+        assert_eq!(fast.stats().fast_decode_steps.load(std::sync::atomic::Ordering::SeqCst), l.steps.len());
+    }
+    // Two requests at once: batched on the generic path while both run, the survivor on the hook.
+    let r1 = req(&tok, PROMPTS[0], 40);
+    let r2 = req(&tok, PROMPTS[2], 8);
+    let solo1 = collect(plain.submit(r1.clone()).unwrap());
+    let solo2 = collect(plain.submit(r2.clone()).unwrap());
+    let before = log.lock().unwrap().steps.len();
+    let (x1, x2) = (fast.submit(r1.clone()).unwrap(), fast.submit(r2.clone()).unwrap());
+    let (o1, o2) = (collect(x1), collect(x2));
+    assert_eq!(o1, solo1);
+    assert_eq!(o2, solo2);
+    let l = log.lock().unwrap();
+    let per = check_steps(&l.steps[before..], &[(&o1, r1.prompt.len()), (&o2, r2.prompt.len())]);
+    assert!(per[0] > 0, "the longer request never went back to the fast path: {per:?}");
+    assert!(per[0] < o1.tokens.len() - 1 || per[1] < o2.tokens.len() - 1, "no step ran batched: {per:?}");
+    drop(l);
+    plain.shutdown(false);
+    fast.shutdown(false);
+}
+
+#[test]
+fn unsupported_sampling_and_switches_use_the_generic_path() {
+    let (fast, log, tok) = start(Some(true), false, true);
+    let mut r = req(&tok, PROMPTS[1], 12);
+    r.logprobs = Some(2);
+    collect(fast.submit(r).unwrap());
+    for p in [
+        SamplingParams { repetition_penalty: 1.2, ..Default::default() },
+        SamplingParams { presence_penalty: 0.5, ..Default::default() },
+        SamplingParams { frequency_penalty: 0.5, ..Default::default() },
+        SamplingParams { temperature: f32::NAN, ..Default::default() },
+    ] {
+        let mut r = req(&tok, PROMPTS[1], 12);
+        r.sampling = p;
+        collect(fast.submit(r).unwrap());
+    }
+    assert!(log.lock().unwrap().steps.is_empty(), "an unsupported request went through the fast path");
+    assert!(log.lock().unwrap().prepared.is_empty());
+    // max_tokens 1: the token comes from the prefill, no decode step at all.
+    collect(fast.submit(req(&tok, PROMPTS[1], 1)).unwrap());
+    assert!(log.lock().unwrap().prepared.is_empty());
+    // Sampled requests are offered to the device sampler with their parameters and seed (an
+    // unseeded request gets one seed for all its steps).
+    let sampled = SamplingParams { temperature: 0.7, top_k: 5, top_p: 0.9, min_p: 0.05, seed: Some(9), ..Default::default() };
+    for seed in [Some(9), None] {
+        let mut r = req(&tok, PROMPTS[1], 6);
+        r.sampling = SamplingParams { seed, ..sampled.clone() };
+        let o = collect(fast.submit(r).unwrap());
+        let mut l = log.lock().unwrap();
+        assert_eq!(l.steps.len(), o.tokens.len() - 1);
+        let s0 = l.steps[0].sampling;
+        assert_eq!((s0.temperature, s0.top_k, s0.top_p, s0.min_p, s0.valid), (0.7, 5, 0.9, 0.05, tok.vocab_size()));
+        if let Some(seed) = seed {
+            assert_eq!(s0.seed, seed);
+        }
+        assert!(l.steps.iter().all(|s| s.sampling == s0) && l.prepared.iter().all(|p| p.1 == s0));
+        l.steps.clear();
+        l.prepared.clear();
+    }
+    fast.shutdown(false);
+
+    // prepare failing: the engine falls back for good, same output.
+    let (plain, _, _) = start(None, false, true);
+    let (broken, log, _) = start(Some(true), true, true);
+    let (off, log_off, _) = start(Some(true), false, false);
+    let r = req(&tok, PROMPTS[0], 16);
+    let a = collect(plain.submit(r.clone()).unwrap());
+    assert_eq!(collect(broken.submit(r.clone()).unwrap()), a);
+    assert_eq!(collect(broken.submit(r.clone()).unwrap()), a);
+    assert_eq!(collect(off.submit(r.clone()).unwrap()), a);
+    assert!(log.lock().unwrap().steps.is_empty() && log_off.lock().unwrap().steps.is_empty() && log_off.lock().unwrap().prepared.is_empty());
+    for e in [plain, broken, off] {
+        e.shutdown(false);
+    }
+}

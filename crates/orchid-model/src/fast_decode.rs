@@ -1,0 +1,76 @@
+//! An optional, backend-specific fast path for decoding ONE sequence (batch 1, the interactive
+//! case): on CUDA a decode step captured once as a CUDA graph, with the sampling done on the GPU
+//! (`orchid_cuda::GraphDecoder`). The engine (`orchid-engine`) uses it when exactly one sequence
+//! is running, that sequence is past its prompt, and its sampling needs nothing the device
+//! sampler lacks; prefill, batches of several sequences, penalties and log-probabilities go
+//! through [`Model::forward`] as before. The fast path works on the same `B::State` as the
+//! generic path, so the engine may switch between the two at any step boundary.
+
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::model::Model;
+
+/// The sampling a fast decoder must do on the device: temperature, top-k, top-p, min-p with a
+/// seeded generator (the engine keeps repetition/presence/frequency penalties and
+/// log-probabilities on its generic path). Semantics are those of the engine's host sampler;
+/// greedy picks the lowest id among equal maxima.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceSampling {
+    /// ≤ 0: greedy.
+    pub temperature: f32,
+    /// 0: off; 1: greedy.
+    pub top_k: usize,
+    /// ≥ 1: off.
+    pub top_p: f32,
+    /// ≤ 0: off; keeps tokens with p ≥ min_p · p_max.
+    pub min_p: f32,
+    /// Seed of the device generator. It is counter based: the draw for generated token `i`
+    /// depends only on (seed, i), not on the host sampler's random stream.
+    pub seed: u64,
+    /// Ids ≥ `valid` are never chosen (the tokenizer's vocabulary may be smaller than the
+    /// model's padded one).
+    pub valid: usize,
+}
+
+impl DeviceSampling {
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+/// One decode step of one sequence.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeStep {
+    /// The sequence's state slot.
+    pub slot: usize,
+    /// The input token (the last generated one) ...
+    pub token: u32,
+    /// ... at this position; the slot's state holds exactly `pos` positions before the step.
+    pub pos: usize,
+    /// Index of the token this step samples among the sequence's generated tokens (0 is the
+    /// first token after the prompt); the counter of the seeded device generator.
+    pub index: usize,
+    pub sampling: DeviceSampling,
+}
+
+/// A backend's fast single-sequence decoder (see the module docs). Implementations keep
+/// whatever they cache per slot (captured graphs, device-side input token and position) and
+/// must accept any interleaving with [`Model::forward`] on the same state: the engine passes
+/// the input token and position of every step, and the implementation re-synchronises its
+/// device copies when they differ from what its last step left there.
+pub trait FastDecode<B: Backend> {
+    /// A short name for logs, e.g. "cuda graph".
+    fn name(&self) -> &str;
+
+    /// Gets ready to decode `slot` with `sampling` (e.g. captures a graph for the slot and
+    /// caches it, or updates the cached graph's sampling parameters) without changing the
+    /// sequence's state. An error means the fast path cannot be used: the engine logs it and
+    /// goes on with the generic path.
+    fn prepare(&mut self, model: &Model<B>, state: &mut B::State, slot: usize, sampling: &DeviceSampling) -> Result<()>;
+
+    /// Runs `step.token` at `step.pos` through the model (advancing the slot's state by one
+    /// position, exactly as `Model::forward` of that one token would), samples the next token
+    /// on the device and returns it. Called after `prepare` with the same slot and sampling.
+    /// After an error the sequence's state is undefined (the engine ends the request).
+    fn step(&mut self, model: &Model<B>, state: &mut B::State, step: &DecodeStep) -> Result<u32>;
+}
