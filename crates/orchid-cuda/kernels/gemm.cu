@@ -4,7 +4,11 @@
 // activations come prepared once per call by gemm_xprep: xb bf16 [*, kpad] (x rounded, zero beyond
 // K) and xs f32 [*, kpad/64] (the sum of each 64-group of the rounded values, which folds the Q4
 // +128 offset out). A block computes a BM x BN tile (BM = 128 weight rows, BN = 32, 64 or 128
-// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens).
+// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4 with BN 32:
+// 8 (rows) x 1, each warp 16 rows x all 32 tokens, so that each 4-bit fragment is dequantised
+// once per block, not by 4 token warps (integer issue bounds these kernels), and a warp multiplies
+// only the n8 tiles that hold tokens of the tile (1, 2 or 4 of them: MoE tiles are mostly sparse).
+// Every output is the same sequence of mma and scale steps whatever the layout.
 //
 // Main loop: an S-stage cp.async pipeline (S per kernel: GemmCfg). A stage holds one k-step: the
 // weight tile (4-bit words + scale/bias words, or bf16 rows), the bf16 rows of the block's tokens
@@ -12,12 +16,12 @@
 // issues k-step kt+S-1 into the stage step kt-1 used, then computes, so S-1 k-steps are in flight.
 // Tokens beyond the tile's count and weight rows beyond M are zero-filled (no memory read). The
 // 4-bit tile is dequantised in registers, never in memory. The epilogue reuses the stage memory
-// (after the last group is drained).
+// (after the last group is drained) for the C tile [BN][128 tile rows], then stores its rows.
 //
 // Grouped mode (MoE): `tiles` lists {expert, first list position, count}; the block's tokens are
 // list positions p = first + i, reading prepared row x_rows[p] (or p) and writing out row p.
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
-// same row indices; the block writes silu(gate) · up for 64 output rows.
+// same row indices; the block writes silu(gate) · up for 64 output rows (C tile rows r and 64 + r).
 
 #define FMT_Q4 0
 #define FMT_BF16 1
@@ -40,7 +44,14 @@ struct GemmCfg {
     static constexpr int B_BYTES = BN * BS_STRIDE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES + BN * 2 * 4;
     static constexpr int STAGES = FMT == FMT_Q4 ? (BN == 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
-    static constexpr int EPI = BN * (BM + 4) * 4;  // epilogue tile (PAIR uses less)
+    // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32: 8 x 1,
+    // each warp 16 rows x all 32 tokens, so each 4-bit A fragment is dequantised once per block
+    // (and only the n8 tiles that hold tokens are multiplied); the others 2 x 4.
+    static constexpr int WN = FMT == FMT_Q4 && BN == 32 ? 1 : 4;
+    // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
+    // where the registers allow (BN 32), else per 64-group.
+    static constexpr bool Q4_ONCE = BN == 32;
+    static constexpr int EPI = BN * (BM + 4) * 4;  // epilogue C tile
     static constexpr int SMEM = STAGES * STAGE > EPI ? STAGES * STAGE : EPI;
 };
 static_assert(GemmCfg<FMT_Q4, 32>::SMEM == 109056, "ops::gemm_smem");
@@ -103,10 +114,115 @@ DEVI void load_b(u32 (&b)[NT][2], const __nv_bfloat16* Bh, int nbase, int k0, in
     }
 }
 
+DEVI u32 word4(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Two 8x8 b16 matrices (addresses from lanes 0-15): the B fragment of one n8 tile.
+DEVI void gemm_ldsm_x2(u32& r0, u32& r1, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
+}
+
+// One Q4 k-step of a warp: tot[mt][n] += the 16 x 8 products of tile rows row0 + 16 mt (+ 0..15)
+// and tokens nbase + 8 n (+ 0..7), for the first NL of its NT n8 tiles (the others are left
+// alone). Per 64-group j: acc = Σ over the group's four k16 slices (mma, in k order) of
+// (128 + q) · x, then tot += fma(c, x-sum, round(s · acc)) with c = bias - 128 s.
+// ONCE: the warp's A words (m16 tile mt: 16-byte chunk t4 of rows r and r + 8, whose words 2j,
+// 2j + 1 are group j), scale/bias words (word j: group j) and group sums (n8 tile n: tokens tk,
+// tk + 1) are read once per k-step into A {w0..w3}, SB {group 0, 1}, X {tk g0, tk g1, tk+1 g0,
+// tk+1 g1} (16-byte reads, no bank conflicts); else (more tiles per warp: registers) group j's at
+// the start of group j into A {w2j, w2j+1}, SB {j}, X {tk gj, -, tk+1 gj}.
+template <int MT, int NT, int NL, bool ONCE>
+DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_bfloat16* Bh, const float* Xs, int row0,
+                   int nbase, int lane) {
+    static_assert(NL >= 1 && NL <= NT && (NL == 1 || NL % 2 == 0), "n8 tiles: 1 or pairs");
+    const int g = lane >> 2, t4 = lane & 3;
+    uint4 A0[MT], A1[MT];
+    uint2 SB0[MT], SB1[MT];
+    float4 X[NL];
+    auto fetch = [&](int j) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int r = row0 + mt * 16 + g;
+            if constexpr (ONCE) {
+                A0[mt] = *(const uint4*)(As + r * 64 + t4 * 16);
+                A1[mt] = *(const uint4*)(As + (r + 8) * 64 + t4 * 16);
+                SB0[mt] = *(const uint2*)(As + BM * 64 + r * 8);
+                SB1[mt] = *(const uint2*)(As + BM * 64 + (r + 8) * 8);
+            } else {
+                const uint2 w0 = *(const uint2*)(As + r * 64 + t4 * 16 + j * 8);
+                const uint2 w1 = *(const uint2*)(As + (r + 8) * 64 + t4 * 16 + j * 8);
+                A0[mt].x = w0.x; A0[mt].y = w0.y;
+                A1[mt].x = w1.x; A1[mt].y = w1.y;
+                SB0[mt].x = *(const u32*)(As + BM * 64 + r * 8 + j * 4);
+                SB1[mt].x = *(const u32*)(As + BM * 64 + (r + 8) * 8 + j * 4);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NL; ++n) {
+            const int tk = nbase + n * 8 + 2 * t4;
+            if constexpr (ONCE) {
+                X[n] = *(const float4*)(Xs + tk * 2);
+            } else {
+                X[n].x = Xs[tk * 2 + j];
+                X[n].z = Xs[(tk + 1) * 2 + j];
+            }
+        }
+    };
+    if constexpr (ONCE) fetch(0);
+#pragma unroll(ONCE ? 2 : 1)
+    for (int j = 0; j < 2; ++j) {
+        if constexpr (!ONCE) fetch(j);
+        const int jf = ONCE ? j : 0;  // group j's place in the fetched registers
+        float acc[MT][NL][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int n = 0; n < NL; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[i][n][c] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int k0 = j * 64 + s * 16;
+            u32 b[NL][2];
+            if constexpr (NL == 1) {
+                gemm_ldsm_x2(b[0][0], b[0][1], Bh + (nbase + (lane & 7)) * BS_STRIDE + k0 + ((lane >> 3) & 1) * 8);
+            } else {
+                load_b<NL>(b, Bh, nbase, k0, lane);
+            }
+            const int p0 = 2 * (s & 1), wi = 2 * jf + (s >> 1);  // pair slots, fetched word
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                u32 wa = word4(A0[mt], wi), wb = word4(A1[mt], wi);
+                u32 a0 = q4_pair(wa, p0), a2 = q4_pair(wa, p0 + 1), a1 = q4_pair(wb, p0), a3 = q4_pair(wb, p0 + 1);
+#pragma unroll
+                for (int n = 0; n < NL; ++n) mma_bf16(acc[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            u32 sv0 = jf ? SB0[mt].y : SB0[mt].x, sv1 = jf ? SB1[mt].y : SB1[mt].x;
+            float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
+            float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
+            // Spelled out: left to the compiler, the contraction of s · acc + c · x varied
+            // between kernel variants (so did the bits).
+#pragma unroll
+            for (int n = 0; n < NL; ++n) {
+                float xa = jf ? X[n].y : X[n].x, xb = jf ? X[n].w : X[n].z;
+                tot[mt][n][0] += __fmaf_rn(c0, xa, __fmul_rn(s0, acc[mt][n][0]));
+                tot[mt][n][1] += __fmaf_rn(c0, xb, __fmul_rn(s0, acc[mt][n][1]));
+                tot[mt][n][2] += __fmaf_rn(c1, xa, __fmul_rn(s1, acc[mt][n][2]));
+                tot[mt][n][3] += __fmaf_rn(c1, xb, __fmul_rn(s1, acc[mt][n][3]));
+            }
+        }
+    }
+}
+
 template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
     using Cfg = GemmCfg<FMT, BN>;
-    constexpr int NT = BN / 32;                 // n8 tiles per warp
+    constexpr int WN = Cfg::WN;                 // warps along the tokens
+    constexpr int WM = 8 / WN;                  // warps along the rows
+    constexpr int MT = BM / 16 / WM;            // m16 tiles per warp
+    constexpr int NT = BN / 8 / WN;             // n8 tiles per warp
     constexpr int A_BYTES = Cfg::A_BYTES;
     constexpr int B_BYTES = Cfg::B_BYTES;
     constexpr int STAGE = Cfg::STAGE;
@@ -116,7 +232,9 @@ DEVI void gemm_body(const GemmArgs& a) {
     extern __shared__ __align__(16) unsigned char smem[];
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int wm = warp >> 2, wn = warp & 3;
+    const int wm = warp / WN, wn = warp % WN;
+    const int row0 = wm * (MT * 16);  // first tile row of this warp's MT m16 tiles (PAIR: < 64 gate, else up)
+    const int nbase = wn * (NT * 8);  // first token of this warp's NT n8 tiles
 
     // Token tile.
     int expert = 0, start, count;
@@ -189,9 +307,9 @@ DEVI void gemm_body(const GemmArgs& a) {
         if ((int)threadIdx.x < BN) cp_async8(Bs + B_BYTES + threadIdx.x * 8, srcX + kt * 8, x_ok());
     };
 
-    float tot[4][NT][4];
+    float tot[MT][NT][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -219,59 +337,16 @@ DEVI void gemm_body(const GemmArgs& a) {
         unsigned char* Bs = As + A_BYTES;
         const float* Xs = (const float*)(Bs + B_BYTES);
         const __nv_bfloat16* Bh = (const __nv_bfloat16*)Bs;
-        const int nbase = wn * (BN / 4);
 
-        if (FMT == FMT_Q4) {
-#pragma unroll 1
-            for (int j = 0; j < 2; ++j) {
-                // Group j of the unit: words 2j, 2j+1 of each lane's 16 bytes, scale/bias word j.
-                uint2 A0[4], A1[4];
-#pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    int r = wm * 64 + mt * 16 + g;
-                    if (PAIR) r = (mt >> 1) * (BM / 2) + wm * 32 + (mt & 1) * 16 + g;
-                    A0[mt] = *(const uint2*)(As + r * 64 + t4 * 16 + j * 8);
-                    A1[mt] = *(const uint2*)(As + (r + 8) * 64 + t4 * 16 + j * 8);
-                }
-                float acc[4][NT][4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int n = 0; n < NT; ++n)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) acc[i][n][c] = 0.f;
-#pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    u32 b[NT][2];
-                    int k0 = j * 64 + s * 16;
-                    load_b<NT>(b, Bh, nbase, k0, lane);
-                    const int p0 = 2 * (s & 1);
-#pragma unroll
-                    for (int mt = 0; mt < 4; ++mt) {
-                        u32 wa = s < 2 ? A0[mt].x : A0[mt].y;
-                        u32 wb = s < 2 ? A1[mt].x : A1[mt].y;
-                        u32 a0 = q4_pair(wa, p0), a2 = q4_pair(wa, p0 + 1), a1 = q4_pair(wb, p0), a3 = q4_pair(wb, p0 + 1);
-#pragma unroll
-                        for (int n = 0; n < NT; ++n) mma_bf16(acc[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
-                    }
-                }
-#pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    int r = wm * 64 + mt * 16 + g;
-                    if (PAIR) r = (mt >> 1) * (BM / 2) + wm * 32 + (mt & 1) * 16 + g;
-                    u32 sv0 = *(const u32*)(As + BM * 64 + r * 8 + j * 4), sv1 = *(const u32*)(As + BM * 64 + (r + 8) * 8 + j * 4);
-                    float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
-                    float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
-#pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-                        int tk = nbase + n * 8 + 2 * t4;
-                        float xa = Xs[tk * 2 + j], xb = Xs[(tk + 1) * 2 + j];
-                        tot[mt][n][0] += s0 * acc[mt][n][0] + c0 * xa;
-                        tot[mt][n][1] += s0 * acc[mt][n][1] + c0 * xb;
-                        tot[mt][n][2] += s1 * acc[mt][n][2] + c1 * xa;
-                        tot[mt][n][3] += s1 * acc[mt][n][3] + c1 * xb;
-                    }
-                }
+        if constexpr (FMT == FMT_Q4) {
+            if constexpr (WN == 1) {
+                // Only the n8 tiles that hold tokens of the tile (1, 2 or all 4): the others
+                // would multiply zero-filled rows.
+                if (count <= 8) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
+                else if (count <= 16) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
+                else q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
+            } else {
+                q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
             }
         } else {
             const __nv_bfloat16* Ah = (const __nv_bfloat16*)As;
@@ -281,9 +356,8 @@ DEVI void gemm_body(const GemmArgs& a) {
                 u32 b[NT][2];
                 load_b<NT>(b, Bh, nbase, k0, lane);
 #pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    int r = wm * 64 + mt * 16;
-                    if (PAIR) r = (mt >> 1) * (BM / 2) + wm * 32 + (mt & 1) * 16;
+                for (int mt = 0; mt < MT; ++mt) {
+                    const int r = row0 + mt * 16;
                     u32 a0, a1, a2, a3;
                     ldsm_x4(a0, a1, a2, a3, Ah + (r + (lane & 15)) * AB_STRIDE + k0 + (lane >> 4) * 8);
 #pragma unroll
@@ -298,32 +372,35 @@ DEVI void gemm_body(const GemmArgs& a) {
     cp_async_wait<0>();
     __syncthreads();
 
-    // ---- epilogue through shared memory: C tile [BN tokens][OUTW rows] f32 ----
-    float* Cs = (float*)smem;  // BN * (OUTW + 4) floats
-    constexpr int CST = OUTW + 4;
+    // ---- epilogue through shared memory: C tile [BN tokens][BM tile rows] f32 ----
+    float* Cs = (float*)smem;  // BN * (BM + 4) floats (Cfg::EPI)
+    constexpr int CST = BM + 4;
 #pragma unroll
-    for (int mt = 0; mt < (PAIR ? 2 : 4); ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                int tk = wn * (BN / 4) + n * 8 + 2 * t4 + (c & 1);
-                int r = (PAIR ? wm * 32 : wm * 64) + mt * 16 + g + (c >> 1) * 8;
-                float v = tot[mt][n][c];
-                if (PAIR) {
-                    float u = tot[mt + 2][n][c];
-                    v = v / (1.f + expf(-v)) * u;
-                }
-                Cs[tk * CST + r] = v;
+                int tk = nbase + n * 8 + 2 * t4 + (c & 1);
+                int r = row0 + mt * 16 + g + (c >> 1) * 8;
+                Cs[tk * CST + r] = tot[mt][n][c];
             }
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < BN * OUTW; i += 256) {
-        int tk = i / OUTW, r = i % OUTW;
-        if (tk < count && r < mrem) {
-            i64 orow = start + tk;
-            ((float*)a.out)[orow * a.ldo + m0 + r] = Cs[tk * CST + r];
+    // Thread: output row m0 + r for tokens tk0, tk0 + TSTEP, ... of the tile (PAIR: silu of gate
+    // tile row r times up tile row 64 + r).
+    constexpr int TSTEP = 256 / OUTW;
+    const int r = threadIdx.x % OUTW, nst = min(count, BN);
+    if (r < mrem) {
+        float* o = (float*)a.out + (i64)start * a.ldo + m0 + r;
+        for (int tk = threadIdx.x / OUTW; tk < nst; tk += TSTEP) {
+            float v = Cs[tk * CST + r];
+            if (PAIR) {
+                float u = Cs[tk * CST + BM / 2 + r];
+                v = v / (1.f + expf(-v)) * u;
+            }
+            o[(i64)tk * a.ldo] = v;
         }
     }
 }
