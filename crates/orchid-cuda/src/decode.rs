@@ -22,8 +22,11 @@ use crate::state::{CudaState, KV_BLOCK};
 use crate::weights::GpuLinear;
 use crate::CudaBackend;
 
-/// Splits of the decode attention inside the graph (fixed: the grid cannot change per step).
-pub const GRAPH_SPLITS: usize = 64;
+/// Splits of the decode attention inside the graph (fixed: the grid cannot change per step;
+/// `ORCHID_TUNE_ATTN_SPLITS`, see tuning.rs).
+fn graph_splits() -> usize {
+    crate::tuning::get().attn_splits
+}
 
 pub struct DecodeGraph {
     ctx: Arc<Ctx>,
@@ -124,8 +127,8 @@ impl DecodeGraph {
             proj: f32b(proj_w)?,
             y: f32b(y_w)?,
             qbf: DevBuf::zeros(&gpu, a.num_heads * a.head_dim * 2)?,
-            part_o: f32b(a.num_kv_heads * nz * GRAPH_SPLITS * 16 * a.head_dim)?,
-            part_ml: f32b(a.num_kv_heads * nz * GRAPH_SPLITS * 16 * 2)?,
+            part_o: f32b(a.num_kv_heads * nz * graph_splits() * 16 * a.head_dim)?,
+            part_ml: f32b(a.num_kv_heads * nz * graph_splits() * 16 * 2)?,
             router_logits: f32b(m.num_experts + 1)?,
             router_partial: f32b(ops::ROUTER_KPARTS * (m.num_experts + 1))?,
             route_ids: f32b(m.top_k.max(1))?,
@@ -297,7 +300,7 @@ impl DecodeGraph {
                         g: (hq / hkv) as i32,
                         bs: KV_BLOCK as i32,
                         ldg: (hq * qstride) as i32,
-                        nsplit: GRAPH_SPLITS as i32,
+                        nsplit: graph_splits() as i32,
                         scale_log2: std::f32::consts::LOG2_E / (dh as f32).sqrt(),
                         ..Default::default()
                     };

@@ -18,6 +18,7 @@ pub mod exec;
 pub mod graph_decoder;
 pub mod ops;
 pub mod state;
+pub mod tuning;
 pub mod weights;
 
 use std::collections::HashMap;

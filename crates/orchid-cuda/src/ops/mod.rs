@@ -208,7 +208,7 @@ pub const GEMV_BLOCKS_PER_SM: usize = 3;
 /// GEMV_BLOCKS_PER_SM per SM, fewer where shared memory runs out (1 KB reserved per block).
 pub fn gemv_resident(gpu: &crate::driver::Gpu, smem: usize) -> usize {
     let per_sm = (gpu.max_smem_optin as usize + 1024) / (smem + 1024);
-    gpu.sms as usize * per_sm.clamp(1, GEMV_BLOCKS_PER_SM)
+    gpu.sms as usize * per_sm.clamp(1, GEMV_BLOCKS_PER_SM.min(crate::tuning::get().gemv_per_sm))
 }
 
 /// Warps per 16-row tile of the decode `moe_up` kernel: two units of gate and two of up per warp
@@ -320,7 +320,7 @@ pub fn gemv(
     let units = units_of(fmt, kpad);
     let mut kparts = 1;
     if a.route_counter != 0 && a.partial != 0 {
-        kparts = ROUTER_KPARTS.min(units / 2).max(1);
+        kparts = crate::tuning::get().router_kparts.min(ROUTER_KPARTS).min(units / 2).max(1);
     }
     let smem = gemv_smem(fmt, kpad, t);
     let resident = |_ks: usize| gemv_resident(&c.gpu, smem);
@@ -442,7 +442,10 @@ pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64
         a.has_shared = 1;
     }
     a.hstride = m.hstride() as i32;
-    let ks = moe_up_ksplit(units_of(fmt, kpad));
+    let ks = match crate::tuning::get().moe_up_ksplit {
+        0 => moe_up_ksplit(units_of(fmt, kpad)),
+        k => k.next_power_of_two(),
+    };
     a.ksplit = ks as i32;
     let tiles = m.hstride().div_ceil(16);
     let nsrc = m.topk + a.has_shared as usize;
