@@ -439,6 +439,8 @@ DEVI bool reduce_ksplit(float* tot, float* red, int ksplit) {
 
 // Router epilogue, run by the last block: softmax over E logits, top-k (ties to the lower id),
 // optional renormalisation, sigmoid of the shared-expert gate logit.
+// GLOBAL: logits written by other blocks (read through L2); else logits in shared memory.
+template <bool GLOBAL = true>
 DEVI void route_topk(const float* logits, int E, int topk, int renorm, int shared_col, int* ids, float* wts) {
     const int lane = threadIdx.x & 31;
     float pv[16];
@@ -446,7 +448,7 @@ DEVI void route_topk(const float* logits, int E, int topk, int renorm, int share
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         int e = lane + 32 * i;
-        pv[i] = e < E ? __ldcg(logits + e) : NEG_INF;
+        pv[i] = e < E ? (GLOBAL ? __ldcg(logits + e) : logits[e]) : NEG_INF;
         m = fmaxf(m, pv[i]);
     }
     m = warp_max(m);
@@ -482,7 +484,7 @@ DEVI void route_topk(const float* logits, int E, int topk, int renorm, int share
     }
     __syncwarp();
     if (renorm && lane < topk) wts[lane] = wts[lane] / picked;
-    if (lane == 0 && shared_col >= 0) wts[topk] = sigmoidf_(__ldcg(logits + shared_col));
+    if (lane == 0 && shared_col >= 0) wts[topk] = sigmoidf_(GLOBAL ? __ldcg(logits + shared_col) : logits[shared_col]);
 }
 
 // Writes (or adds) a finished 16-row tile: lane (g, t4) holds rows g, g + 8 of tokens 2t4, 2t4 + 1.
@@ -636,13 +638,118 @@ struct MoeUpArgs {
     int Is, topk, hstride, ksplit;
     float eps;
     int has_shared, pad0, pad1;
+    // Fused router (moe_route_up_*): bf16 router rows [E] and shared-gate row (col E), K parts,
+    // partial sums [kparts][E + 1], barrier counters {arrived, departed}, routing weights out.
+    u64 router_w, sgate_w, partial, barrier, route_w;
+    int E, renorm, kparts, router_blocks;
 };
 
+// One bf16 unit (32 k) of a 16-row tile against token 0 of fragment-ordered x (the router inside
+// moe_route_up, whose x is staged for the Q4 experts): four scalar reads, once per warp.
+DEVI void unit_bf16_frag(uint4 A0, uint4 A1, const XLayout& L, int u, float* tot) {
+    const int t4 = threadIdx.x & 3;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int q = (u * 32 + 8 * t4 + 4 * s) >> 1;
+        const u32 b0 = L.base[L.word(0, q)], b1 = L.base[L.word(0, q + 1)];
+        const u32 a0 = s ? A0.z : A0.x, a2 = s ? A0.w : A0.y, a1 = s ? A1.z : A1.x, a3 = s ? A1.w : A1.y;
+        mma_bf16(acc, a0, a1, a2, a3, b0, b1);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tot[i] += acc[i];
+}
+
+// The router inside moe_route_up (decode, one token). Blocks b < router_blocks each compute one
+// (16-row router tile, K part) like the router matvec (8 warps, one bf16 unit each, weights
+// requested before the wait) and write its partial sums; a grid barrier (every block of the grid
+// is resident: the launch guarantees it) lets every block sum the parts in the same fixed order
+// as the router matvec's last block, so all blocks (and the host-visible copy written by block
+// 0 for moe_down) hold identical routing, then take the top-k. Ends with the successor released:
+// moe_down reads the routing before its own wait.
+DEVI void route_phase(const MoeUpArgs& a, const XLayout& L, float* xsum, float* red, float* sred, int* s_ids) {
+    __shared__ float s_logits[513];
+    __shared__ float s_w[33];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    // Router tiles: E / 16 of the router (E % 16 == 0, checked at launch), then one for the
+    // shared-expert gate row if there is one.
+    const int b = blockIdx.y * gridDim.x + blockIdx.x, rtiles = a.E / 16 + a.has_shared;
+    const int units = a.kpad / 32, kp = a.kparts;
+    const bool router = b < a.router_blocks;
+    const int tile = b % rtiles, part = b / rtiles;
+    const int lo = units * part / kp, hi = units * (part + 1) / kp, u = lo + warp;
+    const bool sg = a.has_shared && tile == rtiles - 1;
+    uint4 A0 = make_uint4(0u, 0u, 0u, 0u), A1 = A0;
+    if (router && u < hi) {
+        const i64 row = sg ? g : (i64)tile * 16 + g;
+        const TileRef tr = tile_ref<FMT_BF16>(sg ? a.sgate_w : a.router_w, 0, row, a.kpad);
+        A0 = ldg_nc(tr.w0 + u * 4);
+        A1 = ldg_nc(tr.w1 + u * 4);
+    }
+    pdl_wait();
+    stage_x((const float*)a.x, 0, 1, a.K, a.kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
+    volatile unsigned* bar = (volatile unsigned*)a.barrier;
+    if (router) {
+        float tot[4] = {0.f, 0.f, 0.f, 0.f};
+        if (u < hi) unit_bf16_frag(A0, A1, L, u, tot);
+        for (int v = u + 8; v < hi; v += 8) {  // more than 8 units per part (K > 2048)
+            const i64 row = sg ? g : (i64)tile * 16 + g;
+            const TileRef tr = tile_ref<FMT_BF16>(sg ? a.sgate_w : a.router_w, 0, row, a.kpad);
+            unit_bf16_frag(ldg_nc(tr.w0 + v * 4), ldg_nc(tr.w1 + v * 4), L, v, tot);
+        }
+        if (reduce_ksplit<1>(tot, red, 8) && t4 == 0) {  // warp 0: rows g, g + 8 of column 0
+            float* out = (float*)a.partial + (i64)part * (a.E + 1);
+            if (sg) {
+                if (g == 0) out[a.E] = tot[0];
+            } else {
+                out[tile * 16 + g] = tot[0];
+                out[tile * 16 + g + 8] = tot[2];
+            }
+            __threadfence();  // each writer's partials visible before the block arrives
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd((unsigned*)&bar[0], 1u);
+        }
+    }
+    if (threadIdx.x == 0) {
+        // Bounded spin: a broken invariant gives wrong routing (caught by the tests), not a hang.
+        for (long long it = 0; bar[0] < (unsigned)a.router_blocks && it < (1ll << 26); ++it) __nanosleep(32);
+        __threadfence();
+    }
+    __syncthreads();
+    const int n_out = a.E + 1;
+    for (int c = threadIdx.x; c < n_out; c += blockDim.x) {
+        float v = 0.f;
+        for (int p = 0; p < kp; ++p) v += __ldcg((const float*)a.partial + (i64)p * n_out + c);
+        s_logits[c] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // the last block out resets the barrier for the next MoE layer
+        const unsigned gone = atomicAdd((unsigned*)&bar[1], 1u);
+        if (gone == gridDim.x * gridDim.y - 1) {
+            bar[0] = 0u;
+            bar[1] = 0u;
+        }
+    }
+    if (warp == 0) route_topk<false>(s_logits, a.E, a.topk, a.renorm, a.has_shared ? a.E : -1, s_ids, s_w);
+    __syncthreads();
+    if (b == 0 && threadIdx.x <= a.topk) {  // moe_down's copy
+        if (threadIdx.x < a.topk) ((int*)a.ids)[threadIdx.x] = s_ids[threadIdx.x];
+        if (threadIdx.x < a.topk || a.has_shared) ((float*)a.route_w)[threadIdx.x] = s_w[threadIdx.x];
+        __threadfence();
+    }
+    __syncthreads();
+    pdl_launch();
+}
+
 // h[src, r] = silu(gate_src · xn)[r] · (up_src · xn)[r].  grid = (ceil(max(I, Is)/16 / tiles_per_block), nsrc).
-template <int FMT>
+template <int FMT, bool ROUTE = false>
 DEVI void moe_up_body(const MoeUpArgs& a) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float sred[32];
+    __shared__ int s_ids[32];
     const int kpad = a.kpad, groups = kpad / 64;
     const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
     const XLayout L{(u32*)(smem + ring_bytes), x_words(kpad, FMT == FMT_Q4), FMT == FMT_Q4};
@@ -662,14 +769,25 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
     const int n = active ? 2 * units_from(ks, a.ksplit, nunits) : 0;
     TileRef tg, tu;
     auto refs = [&]() {
-        const i64 base = shared ? 0 : (i64)((const int*)a.ids)[src] * a.rows_e;
+        const i64 base = shared ? 0 : (i64)(ROUTE ? s_ids[src] : ((const int*)a.ids)[src]) * a.rows_e;
         tg = shared ? tile_ref<FMT>(a.sh_gate_w, a.sh_gate_sb, row0 + g, kpad) : tile_ref<FMT>(a.gate_w, a.gate_sb, base + row0 + g, kpad);
         tu = shared ? tile_ref<FMT>(a.sh_up_w, a.sh_up_sb, row0 + g, kpad) : tile_ref<FMT>(a.up_w, a.up_sb, base + row0 + g, kpad);
     };
     auto ref = [&](int i) { return URef{(i & 1) ? tu : tg, ks + (i >> 1) * a.ksplit}; };
-    // The routed experts' ids are the router's (previous kernel's) output: wait first. The shared
-    // expert depends on nothing of this step: its weights are requested before the wait.
-    if (shared) {
+    // The routed experts' ids are the router's (previous kernel's, or with ROUTE this kernel's
+    // first phase) output. The shared expert depends on nothing of this step: its weights are
+    // requested before the wait.
+    if (ROUTE) {
+        if (shared) {
+            refs();
+            ring_start(ring, n, ref);
+        }
+        route_phase(a, L, xsum, red, sred, s_ids);  // waits for the previous kernel, releases the next
+        if (!shared) {
+            if (active) refs();
+            ring_start(ring, n, ref);
+        }
+    } else if (shared) {
         refs();
         ring_start(ring, n, ref);
         pdl_enter();
@@ -678,7 +796,7 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
         if (active) refs();
         ring_start(ring, n, ref);
     }
-    stage_x((const float*)a.x, 0, 1, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
+    if (!ROUTE) stage_x((const float*)a.x, 0, 1, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
     float tot[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     const XLane xl = x_lane<FMT>(L, xsum, 1, groups);
     ring_run(ring, n, ref, [&](int i, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {
@@ -702,6 +820,8 @@ DEVI void moe_up_body(const MoeUpArgs& a) {
 
 extern "C" __global__ void __launch_bounds__(256, 3) moe_up_q4(const MoeUpArgs a) { moe_up_body<FMT_Q4>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) moe_up_bf16(const MoeUpArgs a) { moe_up_body<FMT_BF16>(a); }
+// Router + moe_up in one kernel (decode graph, Q4 experts, bf16 router): see route_phase.
+extern "C" __global__ void __launch_bounds__(256, 3) moe_route_up_q4(const MoeUpArgs a) { moe_up_body<FMT_Q4, true>(a); }
 
 struct MoeDownArgs {
     u64 down_w, down_sb, sh_down_w, sh_down_sb;

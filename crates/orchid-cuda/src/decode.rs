@@ -44,6 +44,8 @@ pub struct DecodeGraph {
     route_w: DevBuf,
     ones: DevBuf,
     counter: DevBuf,
+    /// The fused router's grid barrier {arrived, departed} (kernels/gemv.cu route_phase).
+    barrier: DevBuf,
     hbuf: DevBuf,
     logits: DevBuf,
     token: DevBuf,
@@ -135,6 +137,7 @@ impl DecodeGraph {
             route_w: f32b(m.top_k + 1)?,
             ones: DevBuf::from_slice(&gpu, &[1.0f32, 1.0])?,
             counter: f32b(1)?,
+            barrier: f32b(2)?,
             hbuf: f32b(nsrc * hstride)?,
             logits: f32b(v)?,
             token: f32b(1)?,
@@ -325,6 +328,32 @@ impl DecodeGraph {
                         shared_col,
                         partial: self.router_partial.ptr,
                     };
+                    let md2 = MoeDecode {
+                        gate: Some(&w.experts.gate),
+                        up: Some(&w.experts.up),
+                        down: Some(&w.experts.down),
+                        sh_gate: shared.map(|(s, _)| &s.gate_proj),
+                        sh_up: shared.map(|(s, _)| &s.up_proj),
+                        sh_down: shared.map(|(s, _)| &s.down_proj),
+                        topk: md.top_k,
+                    };
+                    // Router and gate/up in one kernel where the layer allows (one kernel and the
+                    // router's last-block tail less per MoE layer); else router matvec + moe_up.
+                    let fused = ops::FusedRoute {
+                        router: &w.router,
+                        shared_gate: shared.map(|(_, sg)| sg),
+                        e,
+                        renorm: md.norm_topk_prob,
+                        partial: self.router_partial.ptr,
+                        barrier: self.barrier.ptr,
+                        wts: self.route_w.ptr,
+                    };
+                    if ops::can_fuse_route(c, &md2, &fused) {
+                        ops::moe_route_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr, &fused)?;
+                        ops::moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
+                        n += 2;
+                        continue;
+                    }
                     match shared {
                         Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
                             ops::gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
@@ -341,15 +370,6 @@ impl DecodeGraph {
                             n += 1;
                         }
                     }
-                    let md2 = MoeDecode {
-                        gate: Some(&w.experts.gate),
-                        up: Some(&w.experts.up),
-                        down: Some(&w.experts.down),
-                        sh_gate: shared.map(|(s, _)| &s.gate_proj),
-                        sh_up: shared.map(|(s, _)| &s.up_proj),
-                        sh_down: shared.map(|(s, _)| &s.down_proj),
-                        topk: md.top_k,
-                    };
                     ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
                     ops::moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
                     n += 2;

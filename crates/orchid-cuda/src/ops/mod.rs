@@ -12,7 +12,7 @@ use crate::weights::{GpuLinear, WFormat};
 /// Every kernel name, per source file.
 pub const KERNEL_NAMES: &[(&str, &[&str])] = &[
     ("elementwise", &["rms_norm", "add_rms_norm", "add_assign", "silu_mul", "gather_rows", "embed_q4", "embed_bf16"]),
-    ("gemv", &["gemv_q4", "gemv_bf16", "gemv_q4_stream", "gemv_bf16_stream", "moe_up_q4", "moe_up_bf16", "moe_down_q4", "moe_down_bf16"]),
+    ("gemv", &["gemv_q4", "gemv_bf16", "gemv_q4_stream", "gemv_bf16_stream", "moe_up_q4", "moe_up_bf16", "moe_route_up_q4", "moe_down_q4", "moe_down_bf16"]),
     (
         "gemm",
         &[
@@ -366,6 +366,15 @@ pub struct MoeUpArgs {
     pub has_shared: i32,
     pub pad0: i32,
     pub pad1: i32,
+    pub router_w: u64,
+    pub sgate_w: u64,
+    pub partial: u64,
+    pub barrier: u64,
+    pub route_w: u64,
+    pub e: i32,
+    pub renorm: i32,
+    pub kparts: i32,
+    pub router_blocks: i32,
 }
 
 #[repr(C)]
@@ -419,8 +428,55 @@ impl MoeDecode<'_> {
     }
 }
 
+/// The router of a decode MoE layer, fused into `moe_up` by `moe_route_up` (kernels/gemv.cu
+/// route_phase): bf16 router [e rows] and shared-expert gate row, `partial` f32 [kparts][e + 1],
+/// `barrier` two zeroed u32 counters (reset by the kernel itself), `ids` / `wts` the routing for
+/// moe_down.
+pub struct FusedRoute<'a> {
+    pub router: &'a GpuLinear,
+    pub shared_gate: Option<&'a GpuLinear>,
+    pub e: usize,
+    pub renorm: bool,
+    pub partial: u64,
+    pub barrier: u64,
+    pub wts: u64,
+}
+
+/// Whether `moe_route_up` can take this layer: Q4 experts, bf16 router (and shared gate) with the
+/// experts' K, E a multiple of 16 (≤ 512), top-k ≤ 32, and every block of the grid resident at
+/// once (its grid barrier needs that).
+pub fn can_fuse_route(c: &Ctx, m: &MoeDecode, r: &FusedRoute) -> bool {
+    let Ok(fmt) = m.fmt() else { return false };
+    let (Some(g), Some(_)) = (m.gate, m.up) else { return false };
+    let sg_ok = r.shared_gate.is_none_or(|s| s.fmt == WFormat::Bf16 && s.kpad == g.kpad && s.cols == g.cols);
+    let shared = r.shared_gate.is_some() && m.sh_gate.is_some();
+    if fmt != WFormat::Q4 || r.router.fmt != WFormat::Bf16 || r.router.kpad != g.kpad || !sg_ok || r.shared_gate.is_some() != m.sh_gate.is_some() {
+        return false;
+    }
+    if r.e % 16 != 0 || r.e > 512 || m.topk > 32 || r.e != r.router.rows {
+        return false;
+    }
+    let ks = moe_up_ksplit(units_of(fmt, g.kpad));
+    let blocks = m.hstride().div_ceil(16).div_ceil(8 / ks) * (m.topk + shared as usize);
+    let router_blocks = (r.e / 16 + shared as usize) * ROUTER_KPARTS;
+    let smem = ring_bytes(fmt) + x_stage_bytes(fmt, g.kpad) + (g.kpad / 64) * 4 + 8 * 32 * 8 * 4 + 2560;
+    router_blocks <= blocks && blocks <= gemv_resident(&c.gpu, smem)
+}
+
 /// h[src] = silu(gate_src · xn) ⊙ (up_src · xn), xn = rms_norm(x) (one token).
 pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64) -> Result<()> {
+    moe_up_impl(c, m, x, norm, ids, h, None)
+}
+
+/// Router and `moe_up` in one kernel (see `FusedRoute`); `ids` receives the routing for moe_down.
+pub fn moe_route_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64, r: &FusedRoute) -> Result<()> {
+    if !can_fuse_route(c, m, r) {
+        return Err(Error::Op { op: "moe_route_up", msg: "layer shape not supported by the fused router".into() });
+    }
+    moe_up_impl(c, m, x, norm, ids, h, Some(r))
+}
+
+fn moe_up_impl(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64, route: Option<&FusedRoute>) -> Result<()> {
     let fmt = m.fmt()?;
     let any = m.gate.or(m.sh_gate).unwrap();
     let (k, kpad) = (any.cols, any.kpad);
@@ -450,7 +506,19 @@ pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64
     let tiles = m.hstride().div_ceil(16);
     let nsrc = m.topk + a.has_shared as usize;
     let smem = ring_bytes(fmt) + x_stage_bytes(fmt, kpad) + (kpad / 64) * 4 + 8 * 32 * 8 * 4;
-    let name = if fmt == WFormat::Q4 { "moe_up_q4" } else { "moe_up_bf16" };
+    let mut name = if fmt == WFormat::Q4 { "moe_up_q4" } else { "moe_up_bf16" };
+    if let Some(r) = route {
+        a.router_w = r.router.w_ptr();
+        a.sgate_w = r.shared_gate.map_or(0, |s| s.w_ptr());
+        a.partial = r.partial;
+        a.barrier = r.barrier;
+        a.route_w = r.wts;
+        a.e = r.e as i32;
+        a.renorm = r.renorm as i32;
+        a.kparts = ROUTER_KPARTS as i32;
+        a.router_blocks = ((r.e / 16 + a.has_shared as usize) * ROUTER_KPARTS) as i32;
+        name = "moe_route_up_q4";
+    }
     c.k(name).launch(&c.gpu, (tiles.div_ceil(8 / ks) as u32, nsrc as u32, 1), 256, smem as u32, &a)
 }
 
@@ -703,7 +771,7 @@ mod tests {
     #[test]
     fn arg_struct_sizes_match_cuda() {
         assert_eq!(std::mem::size_of::<GemvArgs>(), 248);
-        assert_eq!(std::mem::size_of::<MoeUpArgs>(), 144);
+        assert_eq!(std::mem::size_of::<MoeUpArgs>(), 200);
         assert_eq!(std::mem::size_of::<MoeDownArgs>(), 112);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 112);
     }
