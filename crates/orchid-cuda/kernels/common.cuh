@@ -91,6 +91,10 @@ DEVI void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
 }
+// Two 8x8 b16 matrices (addresses from lanes 0-15): the B fragment of one n8 tile.
+DEVI void ldsm_x2(u32& r0, u32& r1, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
+}
 DEVI void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
@@ -100,6 +104,11 @@ DEVI void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
 DEVI void cp_async16(void* smem, const void* gmem, bool pred) {
     int n = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
+}
+// 8-byte async copy global -> shared (through L1); zero-fills when !pred (src-size 0: nothing read).
+DEVI void cp_async8(void* smem, const void* gmem, bool pred) {
+    int n = pred ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
 }
 DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

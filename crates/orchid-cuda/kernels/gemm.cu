@@ -61,12 +61,6 @@ static_assert(GemmCfg<FMT_BF16, 32>::SMEM == 175104, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 64>::SMEM == 105472, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
 
-// 8-byte async copy global -> shared; zero-fills when !pred (src-size 0: nothing is read).
-DEVI void cp_async8(void* smem, const void* gmem, bool pred) {
-    int n = pred ? 8 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
-}
-
 // x f32 [rows, ldx] -> xb bf16 [rows, kpad] (zero for k >= K) and xs f32 [rows, kpad/64], the sum
 // of each 64-group's rounded values (added in 8-element runs per 32-element half, then the two
 // halves: the order the GEMMs have always used). One thread per 32-element segment; a segment pair
@@ -115,11 +109,6 @@ DEVI void load_b(u32 (&b)[NT][2], const __nv_bfloat16* Bh, int nbase, int k0, in
 }
 
 DEVI u32 word4(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-// Two 8x8 b16 matrices (addresses from lanes 0-15): the B fragment of one n8 tile.
-DEVI void gemm_ldsm_x2(u32& r0, u32& r1, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
-}
 
 // One Q4 k-step of a warp: tot[mt][n] += the 16 x 8 products of tile rows row0 + 16 mt (+ 0..15)
 // and tokens nbase + 8 n (+ 0..7), for the first NL of its NT n8 tiles (the others are left
@@ -184,7 +173,7 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
             const int k0 = j * 64 + s * 16;
             u32 b[NL][2];
             if constexpr (NL == 1) {
-                gemm_ldsm_x2(b[0][0], b[0][1], Bh + (nbase + (lane & 7)) * BS_STRIDE + k0 + ((lane >> 3) & 1) * 8);
+                ldsm_x2(b[0][0], b[0][1], Bh + (nbase + (lane & 7)) * BS_STRIDE + k0 + ((lane >> 3) & 1) * 8);
             } else {
                 load_b<NL>(b, Bh, nbase, k0, lane);
             }

@@ -334,10 +334,6 @@ DEVI void tile_units(TileRef tr, int first, int step, int nunits, const u32* xro
     }
 }
 
-// 8-byte async copy global -> shared (through L1: scale/bias words are shared by a lane quad).
-DEVI void cp_async8(void* smem, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
-}
 #define RING 4  // unit slots per warp (ops::RING_SLOTS): 8 warps x 4 x 1.5 KB = 48 KB per block (Q4)
 
 // A unit to fetch: the tile's row pointers and the unit index along K.
@@ -359,8 +355,8 @@ struct UnitRing {
         cp_async16(s, r.tr.w0 + r.u * 4, true);
         cp_async16(s + 512, r.tr.w1 + r.u * 4, true);
         if (FMT == FMT_Q4) {
-            cp_async8(s + 1024, r.tr.s0 + r.u);
-            cp_async8(s + 1032, r.tr.s1 + r.u);
+            cp_async8(s + 1024, r.tr.s0 + r.u, true);  // through L1: a lane quad shares the words
+            cp_async8(s + 1032, r.tr.s1 + r.u, true);
         }
     }
     DEVI void get(int slot, uint4& A0, uint4& A1, uint2& S0, uint2& S1) const {
@@ -406,7 +402,7 @@ DEVI void ring_run(const UnitRing<FMT>& ring, int n, Ref& ref, Use&& use) {
                 uint2 S0 = make_uint2(0u, 0u), S1 = make_uint2(0u, 0u);
                 ring.get(k, A0, A1, S0, S1);
                 use(i, A0, A1, S0, S1);
-                // The slot's words are consumed; the "memory" clobber keeps the compiler from
+                // The slot's words are consumed; this "memory" clobber keeps the compiler from
                 // moving its reads below the refill.
                 asm volatile("" ::: "memory");
                 if (i + RING < n) ring.issue(k, ref(i + RING));
