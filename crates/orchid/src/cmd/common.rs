@@ -103,6 +103,49 @@ pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::Eng
     Ok(Loaded { tokenizer, engine })
 }
 
+/// The options `run` and `chat` share: the checkpoint, the system message, thinking on/off, the
+/// device and the sampling flags.
+#[derive(clap::Args)]
+pub struct ConversationArgs {
+    /// Checkpoint folder (default: the bundled model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// A system message.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Turn the model's thinking off (the template's `enable_thinking=false`).
+    #[arg(long)]
+    pub no_think: bool,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+impl ConversationArgs {
+    /// The checkpoint folder and an engine for one sequence at a time on it.
+    pub fn start(&self) -> Result<(PathBuf, Loaded)> {
+        let dir = model_dir(self.model.as_deref())?;
+        let opts = orchid_engine::engine::EngineOptions { max_seqs: 1, max_queue: 1, ..Default::default() };
+        let loaded = start_engine(&dir, self.device, opts)?;
+        Ok((dir, loaded))
+    }
+
+    /// The chat template's extra arguments.
+    pub fn template_kwargs(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut kwargs = serde_json::Map::new();
+        if self.no_think {
+            kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+        }
+        kwargs
+    }
+
+    /// The system message as the first chat message, if there is one.
+    pub fn system_messages(&self) -> Vec<serde_json::Value> {
+        self.system.iter().map(|s| serde_json::json!({"role": "system", "content": s})).collect()
+    }
+}
+
 /// Sampling flags shared by `run` and `chat`; unset flags fall back to the checkpoint's
 /// generation_config.json.
 #[derive(clap::Args, Clone, Debug)]
