@@ -31,6 +31,94 @@ const GEMV_SRC: &str = include_str!("../kernels/gemv.cu");
 /// Diagnostic kernels, compiled after gemv.cu (whose helpers they reuse) in one module.
 const DIAG_SRC: &str = r#"
 // ---- kernel-overhead diagnostic (tests/gpu_kernel_overhead.rs) ----
+// The register-batch matvec helpers of run 5's gemv.cu (perf-log run 5), which the replica
+// kernels below replay; gemv.cu itself now streams weights through shared-memory rings.
+#define NB 4
+
+// Row-layout staging into xs32 [T][(kpad + 8) / 2].
+DEVI void stage_x(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
+                  u32* xs32, float* xsum, float* red) {
+    stage_x(x, ldx, T, K, kpad, norm_w, eps, XLayout{xs32, (kpad + 8) / 2, false}, xsum, red);
+}
+
+// One Q4 unit (128 k = two groups) of a 16-row tile. A0/A1: the lane's 16 bytes of rows g and g+8;
+// S0/S1: their (scale|bias) words of groups 2u, 2u+1. xrow: bf16 pairs of column n=g (null if none);
+// xsum_n0/xsum_n1: group-sum rows of columns 2t and 2t+1 (null if absent).
+DEVI void unit_q4(uint4 A0, uint4 A1, uint2 S0, uint2 S1, const u32* xrow, const float* xs_n0, const float* xs_n1,
+                  int u, float coef, float* tot) {
+    const int t4 = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        u32 wa0 = j ? A0.z : A0.x, wa1 = j ? A0.w : A0.y;
+        u32 wb0 = j ? A1.z : A1.x, wb1 = j ? A1.w : A1.y;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            u32 wa = s < 2 ? wa0 : wa1, wb = s < 2 ? wb0 : wb1;
+            int p0 = 2 * (s & 1);
+            int k = u * 128 + j * 64 + s * 16 + 2 * t4;
+            u32 b0 = xrow ? xrow[k >> 1] : 0u, b1 = xrow ? xrow[(k + 8) >> 1] : 0u;
+            mma_bf16(acc, q4_pair(wa, p0), q4_pair(wb, p0), q4_pair(wa, p0 + 1), q4_pair(wb, p0 + 1), b0, b1);
+        }
+        int grp = 2 * u + j;
+        u32 sv0 = j ? S0.y : S0.x, sv1 = j ? S1.y : S1.x;
+        float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
+        float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
+        float xa = xs_n0 ? xs_n0[grp] : 0.f, xb = xs_n1 ? xs_n1[grp] : 0.f;
+        tot[0] += coef * (s0 * acc[0] + c0 * xa);
+        tot[1] += coef * (s0 * acc[1] + c0 * xb);
+        tot[2] += coef * (s1 * acc[2] + c1 * xa);
+        tot[3] += coef * (s1 * acc[3] + c1 * xb);
+    }
+}
+
+// N units of one tile in registers (loads in flight together): the design before the rings.
+template <int N = NB>
+struct Batch {
+    uint4 A0[N], A1[N];
+    uint2 S0[N], S1[N];
+};
+
+template <int FMT, int N = NB>
+DEVI void load_batch(Batch<N>& b, const TileRef& tr, int u0, int step, int nunits) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        int u = u0 + i * step;
+        if (u < nunits) {
+            b.A0[i] = ldg_nc(tr.w0 + u * 4);
+            b.A1[i] = ldg_nc(tr.w1 + u * 4);
+            if (FMT == FMT_Q4) {
+                b.S0[i] = ldg_nc2(tr.s0 + u);
+                b.S1[i] = ldg_nc2(tr.s1 + u);
+            }
+        }
+    }
+}
+
+template <int FMT, int N = NB>
+DEVI void compute_batch(const Batch<N>& b, int u0, int step, int nunits, const u32* xrow, const float* xs_n0, const float* xs_n1,
+                        float coef, float* tot) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        int u = u0 + i * step;
+        if (u < nunits) {
+            if (FMT == FMT_Q4) unit_q4(b.A0[i], b.A1[i], b.S0[i], b.S1[i], xrow, xs_n0, xs_n1, u, coef, tot);
+            else unit_bf16(b.A0[i], b.A1[i], xrow, u, coef, tot);
+        }
+    }
+}
+
+// Accumulates units u = first, first + step, ... < nunits of one tile into tot.
+template <int FMT, int N = NB>
+DEVI void tile_units(TileRef tr, int first, int step, int nunits, const u32* xrow, const float* xs_n0, const float* xs_n1,
+                     float coef, float* tot) {
+    for (int u0 = first; u0 < nunits; u0 += N * step) {
+        Batch<N> b;
+        load_batch<FMT, N>(b, tr, u0, step, nunits);
+        compute_batch<FMT, N>(b, u0, step, nunits, xrow, xs_n0, xs_n1, coef, tot);
+    }
+}
+
 #define DG_FULL 0
 #define DG_NOW 1   // no weight loads: register values stand in for the weights
 #define DG_NOX 2   // no x staging: no norm, block reduction or bf16 staging of x
