@@ -209,13 +209,12 @@ impl DecodeGraph {
         let c = &*self.ctx;
         let cfg = &model.config;
         let eps = cfg.rms_norm_eps;
-        let h = cfg.hidden_size;
         let slot = self.slot;
         let mut n = 0;
         ops::embed(c, &model.embed_tokens, self.token.ptr, self.x.ptr, 1)?;
         n += 1;
         crate::driver::set_pdl(self.pdl);
-        for (li, layer) in model.layers.iter().enumerate() {
+        for layer in &model.layers {
             let norm_in = Some((layer.input_layernorm.buf.ptr, eps));
             match &layer.mixer {
                 Mixer::DeltaNet(dl) => {
@@ -350,29 +349,29 @@ impl DecodeGraph {
                     };
                     if ops::can_fuse_route(c, &md2, &fused) {
                         ops::moe_route_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr, &fused)?;
-                        ops::moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
-                        n += 2;
-                        continue;
+                        n += 1;
+                    } else {
+                        match shared {
+                            Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
+                                ops::gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
+                                n += 1;
+                            }
+                            Some((_, sg)) => {
+                                ops::gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
+                                // The partials cover the router rows only; the shared-gate logit is already in place.
+                                ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
+                                n += 2;
+                            }
+                            None => {
+                                ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
+                                n += 1;
+                            }
+                        }
+                        ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
+                        n += 1;
                     }
-                    match shared {
-                        Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
-                            ops::gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
-                            n += 1;
-                        }
-                        Some((_, sg)) => {
-                            ops::gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
-                            // The partials cover the router rows only; the shared-gate logit is already in place.
-                            ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
-                            n += 2;
-                        }
-                        None => {
-                            ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
-                            n += 1;
-                        }
-                    }
-                    ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
                     ops::moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
-                    n += 2;
+                    n += 1;
                 }
                 Ffn::Dense(mlp) => {
                     let md2 = MoeDecode {
@@ -389,7 +388,6 @@ impl DecodeGraph {
                     n += 2;
                 }
             }
-            let _ = (li, h);
         }
         ops::gemv(c, &[(&model.lm_head, 0)], self.x.ptr, 0, 1, Some((model.norm.buf.ptr, eps)), self.logits.ptr, 0, false, None)?;
         n += 1;
