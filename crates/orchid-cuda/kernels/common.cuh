@@ -19,6 +19,11 @@
 // 2w, 2w+1; pair slot p = 2*(s-2w) + (hi8 ? 1 : 0) keeps its first element in nibble p and its second
 // in nibble p+4, so ((word >> 4p) & 0x000F000F) | 0x43004300 is the bf16x2 (128+q0, 128+q1).
 // The +128 is folded out with the group's x-sum: s*(acc - 128*sum x) + b*sum x.
+//
+// Q4 memory order: tile-major. The 16 rows of a 16-row tile store their unit u together, 1 KB
+// (row r of the tile at r * 64), then unit u + 1, ...; scale/bias words likewise, 128 bytes per
+// (tile, unit) (row r at r * 8, its two groups). A warp's unit is one contiguous kilobyte, so the
+// decode matvecs stream whole DRAM lines instead of 64-byte pieces of 16 rows (q4_offset).
 #include <cuda_bf16.h>
 
 typedef unsigned int u32;
@@ -58,6 +63,13 @@ DEVI float block_max(float v, float* red) {
     float r = lane < nw ? red[lane] : NEG_INF;
     return warp_max(r);
 }
+
+#define Q4_UNIT 1024    // bytes of a (16-row tile, 128-k unit) of Q4 weights
+#define Q4_SB_UNIT 128  // bytes of its scale/bias words
+// Byte offset of (row r, unit u) of a Q4 matrix with kpad columns (its 64 bytes), and of its
+// two scale/bias words.
+DEVI i64 q4_offset(i64 r, int u, int kpad) { return ((r >> 4) * (kpad >> 7) + u) * Q4_UNIT + (r & 15) * 64; }
+DEVI i64 q4_sb_offset(i64 r, int u, int kpad) { return ((r >> 4) * (kpad >> 7) + u) * Q4_SB_UNIT + (r & 15) * 8; }
 
 DEVI float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 DEVI float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }

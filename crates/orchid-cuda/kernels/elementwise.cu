@@ -58,9 +58,9 @@ DEVI float q4_element(const u32* __restrict__ w, const u32* __restrict__ sb, int
     int s = kl >> 4, rem = kl & 15, hi8 = rem >> 3, t = (rem & 7) >> 1, h = rem & 1;
     int word = unit * 16 + t * 4 + 2 * j + (s >> 1);
     int p = 2 * (s & 1) + hi8;
-    u32 wv = w[r * (kpad / 8) + word];
+    u32 wv = w[q4_offset(r, unit, kpad) / 4 + (word & 15)];
     int q = (wv >> (4 * (h ? p + 4 : p))) & 15;
-    u32 sbv = sb[r * (kpad / 64) + (k >> 6)];
+    u32 sbv = sb[q4_sb_offset(r, unit, kpad) / 4 + j];
     return __fadd_rn(__fmul_rn(bf16_lo(sbv), (float)q), bf16_hi(sbv));
 }
 

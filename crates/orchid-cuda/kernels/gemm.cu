@@ -248,7 +248,7 @@ DEVI void gemm_body(const GemmArgs& a) {
     // tile row tid < 128; BF16 weights: chunk (tid & 15) of tile rows tid >> 4 + 16 i. Tokens:
     // chunk (tid & 15) of tokens tid >> 4 + 16 i; group sums of token tid < BN.
     constexpr int QA = FMT == FMT_Q4 ? 2 : BM * 16 / 256;  // weight chunks per thread
-    constexpr int A_STEP = FMT == FMT_Q4 ? 64 : 256;       // weight bytes per row per k-step
+    constexpr int A_STEP = FMT == FMT_Q4 ? Q4_UNIT : 256;  // source advance per k-step (bytes)
     auto a_row = [&](int i) {                               // tile row of weight chunk i
         return FMT == FMT_Q4 ? (int)(threadIdx.x >> 2) + (BM / 2) * i : (int)(threadIdx.x >> 4) + 16 * i;
     };
@@ -261,14 +261,14 @@ DEVI void gemm_body(const GemmArgs& a) {
     for (int i = 0; i < QA; ++i) {
         const int r = a_row(i), rr = PAIR ? (r & (BM / 2 - 1)) : r;
         const int ch = FMT == FMT_Q4 ? (threadIdx.x & 3) : (threadIdx.x & 15);
-        const i64 rb = FMT == FMT_Q4 ? a.kpad / 2 : (i64)a.kpad * 2;
-        srcA[i] = (const unsigned char*)((PAIR && r >= BM / 2) ? a.w2 : a.w) + (a_ok(i) ? (wrow0 + rr) * rb + ch * 16 : 0);
+        const i64 off = FMT == FMT_Q4 ? q4_offset(wrow0 + rr, 0, a.kpad) : (wrow0 + rr) * a.kpad * 2;
+        srcA[i] = (const unsigned char*)((PAIR && r >= BM / 2) ? a.w2 : a.w) + (a_ok(i) ? off + ch * 16 : 0);
     }
     const unsigned char* srcS = (const unsigned char*)a.sb;
     if (FMT == FMT_Q4 && threadIdx.x < BM) {
         const int q = threadIdx.x;
         srcS = (const unsigned char*)((PAIR && q >= BM / 2) ? a.sb2 : a.sb);
-        if (s_ok()) srcS += (wrow0 + (PAIR ? (q & (BM / 2 - 1)) : q)) * (a.kpad / 16);
+        if (s_ok()) srcS += q4_sb_offset(wrow0 + (PAIR ? (q & (BM / 2 - 1)) : q), 0, a.kpad);
     }
     const unsigned char* srcB[BR];
 #pragma unroll
@@ -288,7 +288,7 @@ DEVI void gemm_body(const GemmArgs& a) {
             const int off = FMT == FMT_Q4 ? a_row(i) * 64 + (threadIdx.x & 3) * 16 : a_row(i) * AB_STRIDE * 2 + (threadIdx.x & 15) * 16;
             cp_async16(As + off, srcA[i] + kt * A_STEP, a_ok(i));
         }
-        if (FMT == FMT_Q4 && threadIdx.x < BM) cp_async8(As + BM * 64 + threadIdx.x * 8, srcS + kt * 8, s_ok());
+        if (FMT == FMT_Q4 && threadIdx.x < BM) cp_async8(As + BM * 64 + threadIdx.x * 8, srcS + kt * Q4_SB_UNIT, s_ok());
         unsigned char* Bs = As + A_BYTES;
 #pragma unroll
         for (int i = 0; i < BR; ++i)

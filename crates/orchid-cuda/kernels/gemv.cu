@@ -228,16 +228,19 @@ struct TileRef {
     const uint2* s1;
 };
 
+// Unit u of the tile is at w0 + u * W_USTEP<FMT> (and s0 + u * Q4_SB_UNIT / 8): Q4 units of a
+// 16-row tile are contiguous (q4_offset in common.cuh), bf16 rows are row-major.
+template <int FMT>
+constexpr int W_USTEP = FMT == FMT_Q4 ? Q4_UNIT / 16 : 4;  // in uint4
 template <int FMT>
 DEVI TileRef tile_ref(u64 w, u64 sb, i64 row0, int kpad) {
     TileRef r;
     const int t4 = threadIdx.x & 3;
-    if (FMT == FMT_Q4) {
-        i64 rb = (i64)kpad / 2;  // bytes per row
-        r.w0 = (const uint4*)(w + row0 * rb) + t4;
-        r.w1 = (const uint4*)(w + (row0 + 8) * rb) + t4;
-        r.s0 = (const uint2*)(sb + row0 * (kpad / 64) * 4);
-        r.s1 = (const uint2*)(sb + (row0 + 8) * (kpad / 64) * 4);
+    if (FMT == FMT_Q4) {  // row0 = 16 · tile + g (g < 8): rows g and g + 8 of the tile
+        r.w0 = (const uint4*)(w + q4_offset(row0, 0, kpad)) + t4;
+        r.w1 = r.w0 + 8 * 64 / 16;
+        r.s0 = (const uint2*)(sb + q4_sb_offset(row0, 0, kpad));
+        r.s1 = r.s0 + 8;
     } else {
         i64 rb = (i64)kpad * 2;
         r.w0 = (const uint4*)(w + row0 * rb) + t4;
@@ -273,11 +276,11 @@ struct UnitRing {
 
     DEVI void issue(int slot, const URef& r) const {
         unsigned char* s = base + slot * SLOT + (threadIdx.x & 31) * 16;
-        cp_async16(s, r.tr.w0 + r.u * 4, true);
-        cp_async16(s + 512, r.tr.w1 + r.u * 4, true);
+        cp_async16(s, r.tr.w0 + r.u * W_USTEP<FMT>, true);
+        cp_async16(s + 512, r.tr.w1 + r.u * W_USTEP<FMT>, true);
         if (FMT == FMT_Q4) {
-            cp_async8_ring(s + 1024, r.tr.s0 + r.u);
-            cp_async8_ring(s + 1032, r.tr.s1 + r.u);
+            cp_async8_ring(s + 1024, r.tr.s0 + r.u * (Q4_SB_UNIT / 8));
+            cp_async8_ring(s + 1032, r.tr.s1 + r.u * (Q4_SB_UNIT / 8));
         }
     }
     DEVI void get(int slot, uint4& A0, uint4& A1, uint2& S0, uint2& S1) const {

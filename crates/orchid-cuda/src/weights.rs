@@ -1,7 +1,8 @@
 //! Weights on the GPU. Two formats (see kernels/common.cuh):
 //! - `Q4`: MLX affine 4-bit with group 64, nibbles repacked so that each lane of an mma quad
 //!   loads its A fragments with one 16-byte load per two groups; scale and bias of each
-//!   (row, group) packed as bf16 pairs in one u32. Bytes per weight: 0.5 + 4/64 (as MLX).
+//!   (row, group) packed as bf16 pairs in one u32, both stored tile-major (the 16 rows of a
+//!   tile keep each 128-k unit in one contiguous kilobyte). Bytes per weight: 0.5 + 4/64 (as MLX).
 //! - `Bf16`: dense bf16 (dense checkpoints; affine weights of other bit widths or groups are
 //!   dequantised to bf16 at upload).
 //! Rows are padded to a multiple of 128 and columns (K) to a multiple of 128, with zeros.
@@ -103,37 +104,49 @@ fn sb_to_bf16_bits(dtype: DType, bytes: &[u8], i: usize) -> u16 {
     }
 }
 
-/// Repacks rows of one Q4 matrix into `out_w` [rows_pad][kpad/8] and `out_sb` [rows_pad][kpad/64].
+/// Repacks one Q4 matrix into `out_w` (rows_pad · kpad / 8 words) and `out_sb` (rows_pad ·
+/// kpad / 64 words) in tile-major order (common.cuh "Q4 memory order"): for each 16-row tile
+/// and 128-k unit u, the 16 rows' 16 words of u (row r of the tile at word 16 r), then the next
+/// unit; scale/bias likewise, 32 words per (tile, unit) (row r at 2 r, its two groups).
 fn repack_q4(w: &LinearWeight, a: &AffineWeight, kpad: usize, out_w: &mut [u32], out_sb: &mut [u32]) {
     let perm = unit_permutation();
     let cols = w.cols;
     let wpr_in = cols / 8;
-    let wpr_out = kpad / 8;
+    let units = kpad / 128;
     let g_in = cols / 64;
-    let g_out = kpad / 64;
     let packed: &[u32] = a.packed.typed::<u32>();
     let (sc, bi) = (a.scales.as_slice(), a.biases.as_slice());
-    out_w[..w.rows * wpr_out].par_chunks_mut(wpr_out).zip(out_sb[..w.rows * g_out].par_chunks_mut(g_out)).enumerate().for_each(
-        |(r, (ow, os))| {
-            let src = &packed[r * wpr_in..(r + 1) * wpr_in];
-            let nib = |k: usize| -> u32 { if k < cols { (src[k / 8] >> (4 * (k % 8))) & 15 } else { 0 } };
-            for u in 0..kpad / 128 {
-                for (wi, pw) in perm.iter().enumerate() {
-                    let mut v = 0u32;
-                    for (n, &kl) in pw.iter().enumerate() {
-                        v |= nib(u * 128 + kl as usize) << (4 * n);
-                    }
-                    ow[u * 16 + wi] = v;
+    let tiles = w.rows.div_ceil(16);
+    let tile_w = 16 * kpad / 8;
+    let tile_s = 16 * kpad / 64;
+    out_w[..tiles * tile_w].par_chunks_mut(tile_w).zip(out_sb[..tiles * tile_s].par_chunks_mut(tile_s)).enumerate().for_each(
+        |(tile, (ow, os))| {
+            for rin in 0..16 {
+                let r = tile * 16 + rin;
+                if r >= w.rows {
+                    break; // padding rows stay zero
                 }
-            }
-            for g in 0..g_out {
-                os[g] = if g < g_in {
-                    let s = sb_to_bf16_bits(a.sb_dtype, sc, r * g_in + g) as u32;
-                    let b = sb_to_bf16_bits(a.sb_dtype, bi, r * g_in + g) as u32;
-                    s | (b << 16)
-                } else {
-                    0
-                };
+                let src = &packed[r * wpr_in..(r + 1) * wpr_in];
+                let nib = |k: usize| -> u32 { if k < cols { (src[k / 8] >> (4 * (k % 8))) & 15 } else { 0 } };
+                for u in 0..units {
+                    for (wi, pw) in perm.iter().enumerate() {
+                        let mut v = 0u32;
+                        for (n, &kl) in pw.iter().enumerate() {
+                            v |= nib(u * 128 + kl as usize) << (4 * n);
+                        }
+                        ow[u * 256 + rin * 16 + wi] = v;
+                    }
+                    for j in 0..2 {
+                        let g = 2 * u + j;
+                        os[u * 32 + rin * 2 + j] = if g < g_in {
+                            let s = sb_to_bf16_bits(a.sb_dtype, sc, r * g_in + g) as u32;
+                            let b = sb_to_bf16_bits(a.sb_dtype, bi, r * g_in + g) as u32;
+                            s | (b << 16)
+                        } else {
+                            0
+                        };
+                    }
+                }
             }
         },
     );
@@ -239,6 +252,60 @@ fn force_bf16(gpu: &Arc<Gpu>, mats: &[&LinearWeight]) -> Result<GpuLinear> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Element (r, k) from the repacked buffers, as `q4_element` (kernels/elementwise.cu) reads it.
+    fn repacked_element(ow: &[u32], os: &[u32], kpad: usize, r: usize, k: usize) -> f32 {
+        let (unit, j, kl) = (k >> 7, (k >> 6) & 1, k & 63);
+        let (s, rem) = (kl >> 4, kl & 15);
+        let (hi8, t, h) = (rem >> 3, (rem & 7) >> 1, rem & 1);
+        let word = t * 4 + 2 * j + (s >> 1);
+        let p = 2 * (s & 1) + hi8;
+        let tu = (r >> 4) * (kpad / 128) + unit;
+        let wv = ow[tu * 256 + (r & 15) * 16 + word];
+        let q = (wv >> (4 * if h == 1 { p + 4 } else { p })) & 15;
+        let sb = os[tu * 32 + (r & 15) * 2 + j];
+        let (sc, bi) = (f32::from_bits((sb & 0xffff) << 16), f32::from_bits(sb & 0xffff_0000));
+        sc * q as f32 + bi
+    }
+
+    #[test]
+    fn repack_is_tile_major_and_exact() {
+        // 37 rows (a partial tile), 320 columns (a partial unit): every element round-trips.
+        let (rows, cols) = (37usize, 320usize);
+        let mut packed = Vec::new();
+        let (mut sc, mut bi) = (Vec::new(), Vec::new());
+        for r in 0..rows {
+            let row: Vec<f32> = (0..cols).map(|k| ((r * 131 + k * 17) % 97) as f32 / 13.0 - 3.5).collect();
+            let (p, s, b) = orchid_model::quant::quantize_row(&row, 4, 64);
+            packed.extend(p.iter().flat_map(|w| w.to_le_bytes()));
+            sc.extend(s.iter().flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes()));
+            bi.extend(b.iter().flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes()));
+        }
+        let a = AffineWeight {
+            packed: orchid_model::storage::Bytes::from_vec(packed),
+            scales: orchid_model::storage::Bytes::from_vec(sc),
+            biases: orchid_model::storage::Bytes::from_vec(bi),
+            sb_dtype: DType::BF16,
+            bits: 4,
+            group: 64,
+        };
+        let w = LinearWeight { rows, cols, data: WeightData::Affine(a.clone()) };
+        let (rows_pad, kpad) = (round_up(rows, ROW_PAD), round_up(cols, K_PAD));
+        let mut ow = vec![0u32; rows_pad * kpad / 8];
+        let mut os = vec![0u32; rows_pad * kpad / 64];
+        repack_q4(&w, &a, kpad, &mut ow, &mut os);
+        let mut want = vec![0f32; cols];
+        for r in 0..rows {
+            w.row_f32(r, &mut want);
+            for (k, &v) in want.iter().enumerate() {
+                let got = repacked_element(&ow, &os, kpad, r, k);
+                assert!((got - v).abs() <= 1e-6 * v.abs().max(1.0), "({r}, {k}): {got} vs {v}");
+            }
+            for k in cols..kpad {
+                assert_eq!(repacked_element(&ow, &os, kpad, r, k), 0.0, "padding ({r}, {k})");
+            }
+        }
+    }
 
     #[test]
     fn permutation_is_a_bijection_per_unit() {

@@ -85,11 +85,11 @@ DEVI void load_batch(Batch<N>& b, const TileRef& tr, int u0, int step, int nunit
     for (int i = 0; i < N; ++i) {
         int u = u0 + i * step;
         if (u < nunits) {
-            b.A0[i] = ldg_nc(tr.w0 + u * 4);
-            b.A1[i] = ldg_nc(tr.w1 + u * 4);
+            b.A0[i] = ldg_nc(tr.w0 + u * W_USTEP<FMT>);
+            b.A1[i] = ldg_nc(tr.w1 + u * W_USTEP<FMT>);
             if (FMT == FMT_Q4) {
-                b.S0[i] = ldg_nc2(tr.s0 + u);
-                b.S1[i] = ldg_nc2(tr.s1 + u);
+                b.S0[i] = ldg_nc2(tr.s0 + u * (Q4_SB_UNIT / 8));
+                b.S1[i] = ldg_nc2(tr.s1 + u * (Q4_SB_UNIT / 8));
             }
         }
     }
