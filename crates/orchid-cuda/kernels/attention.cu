@@ -87,7 +87,12 @@ struct AttnArgs {
 
 // One warp's online-softmax update over a KV tile of TK keys in shared memory (row stride D+8).
 // Qs: the warp's 16 query rows (row stride D+8). key0: position of the tile's first key.
-template <int D, int TK>
+// m is kept in log2 units (score · scale_log2). MASKED: keys ≥ nkeys or after a row's position
+// are dropped; callers pass false for tiles that hold neither (most tiles of a long prefill).
+// The output is rescaled only when some row's maximum moved (warp-uniform test): with a long
+// context the maximum settles after the first tiles, and the D/2 multiplies per lane and tile
+// are a fifth of the tile's instructions at D = 256.
+template <int D, int TK, bool MASKED = true>
 DEVI void attn_tile(const __nv_bfloat16* Qs, const __nv_bfloat16* Ks, const __nv_bfloat16* Vs, float (&o)[D / 8][4], float* m,
                     float* l, int key0, int nkeys, int pos0, int pos1, float scale_log2) {
     constexpr int ST = D + 8;
@@ -107,16 +112,20 @@ DEVI void attn_tile(const __nv_bfloat16* Qs, const __nv_bfloat16* Ks, const __nv
             mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
         }
     }
+    // Row maxima of the raw scores (scale_log2 > 0 keeps the order, so max · scale is the max of
+    // the scaled scores).
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int nt = 0; nt < TK / 8; ++nt) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            int key = key0 + nt * 8 + 2 * t4 + (c & 1);
-            int pr = (c >> 1) ? pos1 : pos0;
-            float v = s[nt][c] * scale_log2;
-            if (key >= nkeys || key > pr) v = NEG_INF;
-            s[nt][c] = v;
+            float v = s[nt][c];
+            if (MASKED) {
+                int key = key0 + nt * 8 + 2 * t4 + (c & 1);
+                int pr = (c >> 1) ? pos1 : pos0;
+                if (key >= nkeys || key > pr) v = NEG_INF;
+                s[nt][c] = v;
+            }
             mx[c >> 1] = fmaxf(mx[c >> 1], v);
         }
     }
@@ -128,7 +137,7 @@ DEVI void attn_tile(const __nv_bfloat16* Qs, const __nv_bfloat16* Ks, const __nv
     float base[2], corr[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mn = fmaxf(m[r], mx[r]);
+        float mn = fmaxf(m[r], mx[r] * scale_log2);
         base[r] = mn == NEG_INF ? 0.f : mn;
         corr[r] = exp2f(m[r] - base[r]);
         m[r] = mn;
@@ -138,15 +147,17 @@ DEVI void attn_tile(const __nv_bfloat16* Qs, const __nv_bfloat16* Ks, const __nv
     for (int nt = 0; nt < TK / 8; ++nt) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            float p = exp2f(s[nt][c] - base[c >> 1]);
+            float p = exp2f(fmaf(s[nt][c], scale_log2, -base[c >> 1]));
             s[nt][c] = p;
             l[c >> 1] += p;
         }
     }
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-        o[dt][0] *= corr[0]; o[dt][1] *= corr[0];
-        o[dt][2] *= corr[1]; o[dt][3] *= corr[1];
+        for (int dt = 0; dt < D / 8; ++dt) {
+            o[dt][0] *= corr[0]; o[dt][1] *= corr[0];
+            o[dt][2] *= corr[1]; o[dt][3] *= corr[1];
+        }
     }
 #pragma unroll
     for (int ks = 0; ks < TK / 16; ++ks) {
@@ -211,6 +222,7 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
     const int pos1 = R1 < nrows ? a.start + R1 / G : -1;
     const int warp_last = min(nrows, row_base + warp * 16 + 16) - 1;
     const int warp_maxpos = warp_last >= row_base + warp * 16 ? a.start + warp_last / G : -1;
+    const int warp_minpos = a.start + (row_base + warp * 16) / G;  // of its first row (when it has rows)
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -226,8 +238,14 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
         cp_async_wait<1>();
         __syncthreads();
         const __nv_bfloat16* Ks = KV + st * 2 * TK * ST;
-        if (ti * TK <= warp_maxpos)
-            attn_tile<D, TK>(Qs + warp * 16 * ST, Ks, Ks + TK * ST, o, m, l, ti * TK, nkeys, pos0, pos1, a.scale_log2);
+        if (ti * TK <= warp_maxpos) {
+            // Unmasked when every key of the tile exists and precedes the warp's first row
+            // (rows past the end never get stored, so their scores may be anything finite).
+            if ((ti + 1) * TK <= nkeys && (ti + 1) * TK - 1 <= warp_minpos)
+                attn_tile<D, TK, false>(Qs + warp * 16 * ST, Ks, Ks + TK * ST, o, m, l, ti * TK, nkeys, pos0, pos1, a.scale_log2);
+            else
+                attn_tile<D, TK, true>(Qs + warp * 16 * ST, Ks, Ks + TK * ST, o, m, l, ti * TK, nkeys, pos0, pos1, a.scale_log2);
+        }
         __syncthreads();
     }
     // Normalise, gate and store.

@@ -4,10 +4,11 @@
 // activations come prepared once per call by gemm_xprep: xb bf16 [*, kpad] (x rounded, zero beyond
 // K) and xs f32 [*, kpad/64] (the sum of each 64-group of the rounded values, which folds the Q4
 // +128 offset out). A block computes a BM x BN tile (BM = 128 weight rows, BN = 32, 64 or 128
-// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4 with BN 32:
-// 8 (rows) x 1, each warp 16 rows x all 32 tokens, so that each 4-bit fragment is dequantised
-// once per block, not by 4 token warps (integer issue bounds these kernels), and a warp multiplies
-// only the n8 tiles that hold tokens of the tile (1, 2 or 4 of them: MoE tiles are mostly sparse).
+// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4 with BN 32
+// and 64: 8 (rows) x 1, each warp 16 rows x all the tile's tokens, so that each 4-bit fragment is
+// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels: 64 %
+// issue-busy at 12 instructions per mma in the 2 x 4 form, perf log session 4), and a warp
+// multiplies only the n8 tiles that hold tokens of the tile (MoE tiles are mostly sparse).
 // Every output is the same sequence of mma and scale steps whatever the layout.
 //
 // Main loop: an S-stage cp.async pipeline (S per kernel: GemmCfg). A stage holds one k-step: the
@@ -44,10 +45,11 @@ struct GemmCfg {
     static constexpr int B_BYTES = BN * BS_STRIDE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES + BN * 2 * 4;
     static constexpr int STAGES = FMT == FMT_Q4 ? (BN == 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
-    // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32: 8 x 1,
-    // each warp 16 rows x all 32 tokens, so each 4-bit A fragment is dequantised once per block
-    // (and only the n8 tiles that hold tokens are multiplied); the others 2 x 4.
-    static constexpr int WN = FMT == FMT_Q4 && BN == 32 ? 1 : 4;
+    // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32 and 64:
+    // 8 x 1, each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised
+    // once per block (and only the n8 tiles that hold tokens are multiplied); the others 2 x 4.
+    // (gemm_body's WNO overrides it: the 64-token 2 x 4 form stays compiled for A/B runs.)
+    static constexpr int WN = FMT == FMT_Q4 && BN <= 64 ? 1 : 4;
     // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
     // where the registers allow (BN 32), else per 64-group.
     static constexpr bool Q4_ONCE = BN == 32;
@@ -113,7 +115,8 @@ DEVI u32 word4(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i =
 // One Q4 k-step of a warp: tot[mt][n] += the 16 x 8 products of tile rows row0 + 16 mt (+ 0..15)
 // and tokens nbase + 8 n (+ 0..7), for the first NL of its NT n8 tiles (the others are left
 // alone). Per 64-group j: acc = Σ over the group's four k16 slices (mma, in k order) of
-// (128 + q) · x, then tot += fma(c, x-sum, round(s · acc)) with c = bias - 128 s.
+// (128 + q) · x, then tot = fma(s, acc, fma(c, x-sum, tot)) with c = bias - 128 s (two fmas per
+// output and group, the decode matvecs' order: unit_q4f in gemv.cu).
 // ONCE: the warp's A words (m16 tile mt: 16-byte chunk t4 of rows r and r + 8, whose words 2j,
 // 2j + 1 are group j), scale/bias words (word j: group j) and group sums (n8 tile n: tokens tk,
 // tk + 1) are read once per k-step into A {w0..w3}, SB {group 0, 1}, X {tk g0, tk g1, tk+1 g0,
@@ -191,24 +194,24 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
             u32 sv0 = jf ? SB0[mt].y : SB0[mt].x, sv1 = jf ? SB1[mt].y : SB1[mt].x;
             float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
             float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
-            // Spelled out: left to the compiler, the contraction of s · acc + c · x varied
-            // between kernel variants (so did the bits).
+            // Spelled out (__fmaf_rn): left to the compiler, the contraction varied between
+            // kernel variants (so did the bits).
 #pragma unroll
             for (int n = 0; n < NL; ++n) {
                 float xa = jf ? X[n].y : X[n].x, xb = jf ? X[n].w : X[n].z;
-                tot[mt][n][0] += __fmaf_rn(c0, xa, __fmul_rn(s0, acc[mt][n][0]));
-                tot[mt][n][1] += __fmaf_rn(c0, xb, __fmul_rn(s0, acc[mt][n][1]));
-                tot[mt][n][2] += __fmaf_rn(c1, xa, __fmul_rn(s1, acc[mt][n][2]));
-                tot[mt][n][3] += __fmaf_rn(c1, xb, __fmul_rn(s1, acc[mt][n][3]));
+                tot[mt][n][0] = __fmaf_rn(s0, acc[mt][n][0], __fmaf_rn(c0, xa, tot[mt][n][0]));
+                tot[mt][n][1] = __fmaf_rn(s0, acc[mt][n][1], __fmaf_rn(c0, xb, tot[mt][n][1]));
+                tot[mt][n][2] = __fmaf_rn(s1, acc[mt][n][2], __fmaf_rn(c1, xa, tot[mt][n][2]));
+                tot[mt][n][3] = __fmaf_rn(s1, acc[mt][n][3], __fmaf_rn(c1, xb, tot[mt][n][3]));
             }
         }
     }
 }
 
-template <int FMT, int BN, bool PAIR>
+template <int FMT, int BN, bool PAIR, int WNO = 0>
 DEVI void gemm_body(const GemmArgs& a) {
     using Cfg = GemmCfg<FMT, BN>;
-    constexpr int WN = Cfg::WN;                 // warps along the tokens
+    constexpr int WN = WNO ? WNO : Cfg::WN;     // warps along the tokens
     constexpr int WM = 8 / WN;                  // warps along the rows
     constexpr int MT = BM / 16 / WM;            // m16 tiles per warp
     constexpr int NT = BN / 8 / WN;             // n8 tiles per warp
@@ -329,10 +332,11 @@ DEVI void gemm_body(const GemmArgs& a) {
 
         if constexpr (FMT == FMT_Q4) {
             if constexpr (WN == 1) {
-                // Only the n8 tiles that hold tokens of the tile (1, 2 or all 4): the others
+                // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all): the others
                 // would multiply zero-filled rows.
                 if (count <= 8) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
                 else if (count <= 16) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
+                else if (NT > 4 && count <= 32) q4_kstep<MT, NT, (NT > 4 ? 4 : NT), Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
                 else q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
             } else {
                 q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
@@ -397,6 +401,11 @@ DEVI void gemm_body(const GemmArgs& a) {
 // MINB: blocks per SM the registers are bounded for (2 where shared memory allows two).
 #define GEMM_KERNEL(name, FMT, BN, PAIR, MINB) \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR>(a); }
+// The 64-token Q4 tiles with the former 2 x 4 warp layout (A/B: ORCHID_TUNE_GEMM_Q4_N64_WN=4).
+#define GEMM_KERNEL_WN(name, FMT, BN, PAIR, MINB, WN) \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, WN>(a); }
+GEMM_KERNEL_WN(gemm_q4_n64_w4, FMT_Q4, 64, false, 2, 4)
+GEMM_KERNEL_WN(gemm_q4_pair_n64_w4, FMT_Q4, 64, true, 2, 4)
 
 GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false, 2)
 GEMM_KERNEL(gemm_q4_pair_n32, FMT_Q4, 32, true, 2)

@@ -12,6 +12,8 @@ pub struct Tuning {
     pub router_kparts: usize,
     /// Splits of the decode attention inside the CUDA graph.
     pub attn_splits: usize,
+    /// Warps along the tokens of the 64-token Q4 prefill GEMM tile: 1 (8 x 1) or 4 (the former 2 x 4).
+    pub gemm_q4_n64_wn: usize,
 }
 
 fn env(name: &str, default: usize) -> usize {
@@ -25,5 +27,6 @@ pub fn get() -> &'static Tuning {
         moe_up_ksplit: env("MOE_UP_KSPLIT", 0).min(8),
         router_kparts: env("ROUTER_KPARTS", 8).clamp(1, 16),
         attn_splits: env("ATTN_SPLITS", 64).clamp(1, crate::ops::attention::MAX_SPLITS),
+        gemm_q4_n64_wn: if env("GEMM_Q4_N64_WN", 1) == 4 { 4 } else { 1 },
     })
 }

@@ -17,7 +17,7 @@ pub const KERNEL_NAMES: &[(&str, &[&str])] = &[
         "gemm",
         &[
             "gemm_q4_n32", "gemm_q4_pair_n32", "gemm_bf16_n32", "gemm_bf16_pair_n32", "gemm_q4_n64", "gemm_q4_n128", "gemm_q4_pair_n64", "gemm_q4_pair_n128", "gemm_bf16_n64", "gemm_bf16_n128",
-            "gemm_bf16_pair_n64", "gemm_bf16_pair_n128", "gemm_xprep",
+            "gemm_bf16_pair_n64", "gemm_bf16_pair_n128", "gemm_q4_n64_w4", "gemm_q4_pair_n64_w4", "gemm_xprep",
         ],
     ),
     (
@@ -725,9 +725,10 @@ pub fn gemm(
         pad1: 0,
     };
     let name = format!(
-        "gemm_{}{}_n{bn}",
+        "gemm_{}{}_n{bn}{}",
         if w.fmt == WFormat::Q4 { "q4" } else { "bf16" },
-        if pair { "_pair" } else { "" }
+        if pair { "_pair" } else { "" },
+        if w.fmt == WFormat::Q4 && bn == 64 && crate::tuning::get().gemm_q4_n64_wn == 4 { "_w4" } else { "" }
     );
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, 1), 256, gemm_smem(w.fmt, bn) as u32, &a)
