@@ -82,7 +82,8 @@ struct AttnArgs {
     int T, start, Hq, Hkv;
     int G, BS, ldg, nsplit;
     float scale_log2;
-    int pad0, pad1, pad2;
+    int min_tiles;  // decode: key tiles per split at least (short contexts use fewer splits)
+    int pad1, pad2;
 };
 
 // One warp's online-softmax update over a KV tile of TK keys in shared memory (row stride D+8).
@@ -293,7 +294,9 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
     const int pos = a.pos_ptr ? *(const int*)a.pos_ptr : a.start;
     const int nkeys = pos + 1;
     const int ntiles = (nkeys + TK - 1) / TK;
-    const int per = (ntiles + a.nsplit - 1) / a.nsplit;
+    // Tiles per split: all splits busy on long contexts; on short ones at least min_tiles each,
+    // so that the combine merges fewer partials (the rest are empty, skipped by the combine).
+    const int per = max((ntiles + a.nsplit - 1) / a.nsplit, max(a.min_tiles, 1));
     const int t_begin = split * per, t_end = min(ntiles, t_begin + per);
     const int nz_ = gridDim.z;
     const i64 pidx_ = ((i64)kvh * nz_ + z) * a.nsplit + split;

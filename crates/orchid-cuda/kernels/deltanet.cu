@@ -12,20 +12,43 @@ struct ConvArgs {
 };
 
 // out[t, ch] = silu(Σ_tap w[ch, tap] · window[t + tap]) over [state ; x]; writes the new state
-// (the last KC-1 window rows, also when T < KC-1). grid = (ceil(C/256), max(T, KC-1)).
+// (the last KC-1 window rows, also when T < KC-1). A thread takes one channel over CONV_TT
+// consecutive tokens, so each input value and weight is read once per thread (not KC times from
+// KC blocks) and all its loads are in flight together. grid = (ceil(C/256),
+// ceil(max(T, KC-1) / CONV_TT)) (ops/deltanet.rs CONV_TOKENS).
+#define CONV_TT 8
 extern "C" __global__ void __launch_bounds__(256) gdn_conv(const ConvArgs a) {
-    const int ch = blockIdx.x * 256 + threadIdx.x, t = blockIdx.y;
+    const int ch = blockIdx.x * 256 + threadIdx.x, t0 = blockIdx.y * CONV_TT;
     if (ch >= a.C) return;
     const int KC = a.KC, C = a.C;
     const float* x = (const float*)a.x;
     const float* st = (const float*)a.state_in;
+    const float* w = (const float*)a.w + (i64)ch * KC;
     auto win = [&](int idx) -> float { return idx < KC - 1 ? st[(i64)idx * C + ch] : x[(i64)(idx - (KC - 1)) * a.ldx + ch]; };
-    if (t < a.T) {
-        float s = 0.f;
-        for (int tap = 0; tap < KC; ++tap) s += ((const float*)a.w)[ch * KC + tap] * win(t + tap);
-        ((float*)a.out)[(i64)t * C + ch] = siluf_(s);
+    if (KC == 4) {  // Qwen3.5/3.6, Qwen3-Next: window rows t0 .. t0 + CONV_TT + 2 in registers
+        const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+        float v[CONV_TT + 3];
+#pragma unroll
+        for (int i = 0; i < CONV_TT + 3; ++i) v[i] = t0 + i < a.T + 3 ? win(t0 + i) : 0.f;
+#pragma unroll
+        for (int i = 0; i < CONV_TT; ++i) {
+            if (t0 + i < a.T) {
+                float s = 0.f;  // the tap order of the general loop (and of gdn_decode)
+                s += w0 * v[i];
+                s += w1 * v[i + 1];
+                s += w2 * v[i + 2];
+                s += w3 * v[i + 3];
+                ((float*)a.out)[(i64)(t0 + i) * C + ch] = siluf_(s);
+            }
+        }
+    } else {
+        for (int t = t0; t < min(a.T, t0 + CONV_TT); ++t) {
+            float s = 0.f;
+            for (int tap = 0; tap < KC; ++tap) s += w[tap] * win(t + tap);
+            ((float*)a.out)[(i64)t * C + ch] = siluf_(s);
+        }
     }
-    if (t < KC - 1) ((float*)a.state_out)[(i64)t * C + ch] = win(a.T + t);
+    for (int t = t0; t < min(KC - 1, t0 + CONV_TT); ++t) ((float*)a.state_out)[(i64)t * C + ch] = win(a.T + t);
 }
 
 struct GdnPrepArgs {

@@ -64,35 +64,42 @@ static_assert(GemmCfg<FMT_BF16, 64>::SMEM == 105472, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
 
 // x f32 [rows, ldx] -> xb bf16 [rows, kpad] (zero for k >= K) and xs f32 [rows, kpad/64], the sum
-// of each 64-group's rounded values (added in 8-element runs per 32-element half, then the two
-// halves: the order the GEMMs have always used). One thread per 32-element segment; a segment pair
-// (one group) is a lane pair. grid.x = ceil(rows * kpad / 32 / 256).
+// of each 64-group's rounded values (4-element sums, then a 16-lane shuffle tree: the order of the
+// decode matvecs' stage_x_vec). A warp takes XP_RUNS runs of 128 columns (two groups) of a row,
+// lane L the float4 at 4L of each, all loads in flight together: reads and writes are contiguous
+// per warp (a thread per 32-column segment read 16 of every 128 bytes and wrote half sectors).
+// grid.x = ceil(rows * kpad / 128 / XP_RUNS / 8) (ops::gemm_x). Needs K % 4 == 0, ldx % 4 == 0.
+#define XP_RUNS 4
 extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __restrict__ x, __nv_bfloat16* __restrict__ xb,
                                                              float* __restrict__ xs, int rows, int ldx, int K, int kpad) {
-    const int nseg = kpad >> 5;  // even (kpad % 128 == 0), so a group's halves are lanes 2i, 2i+1
-    const i64 i = (i64)blockIdx.x * 256 + threadIdx.x;
-    const bool live = i < (i64)rows * nseg;  // rows * nseg is even: a pair is live or dead together
-    const i64 row = live ? i / nseg : 0;
-    const int seg = live ? (int)(i - row * nseg) : 0;
-    const int k = seg * 32;
-    float s = 0.f;
-    if (live) {
-        const float4* src = (const float4*)(x + row * ldx + k);
-        uint4* dst = (uint4*)(xb + row * kpad + k);
+    const int runs = kpad >> 7, lane = threadIdx.x & 31;
+    const i64 total = (i64)rows * runs;
+    const i64 run0 = (((i64)blockIdx.x * 256 + threadIdx.x) >> 5) * XP_RUNS;
+    float4 v[XP_RUNS];
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            float4 p = k + 8 * v < K ? src[2 * v] : make_float4(0.f, 0.f, 0.f, 0.f);
-            float4 r = k + 8 * v + 4 < K ? src[2 * v + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
-            uint4 o;
-            o.x = pack_bf16(p.x, p.y); o.y = pack_bf16(p.z, p.w);
-            o.z = pack_bf16(r.x, r.y); o.w = pack_bf16(r.z, r.w);
-            s += bf16_lo(o.x) + bf16_hi(o.x) + bf16_lo(o.y) + bf16_hi(o.y) + bf16_lo(o.z) + bf16_hi(o.z) +
-                 bf16_lo(o.w) + bf16_hi(o.w);
-            dst[v] = o;
-        }
+    for (int i = 0; i < XP_RUNS; ++i) {
+        const i64 r = run0 + i;
+        const i64 row = r < total ? r / runs : 0;
+        const int k = (int)(r - row * runs) * 128 + 4 * lane;
+        v[i] = (r < total && k < K) ? *(const float4*)(x + row * ldx + k) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    if (live && (seg & 1) == 0) xs[row * (kpad >> 6) + (seg >> 1)] = s;
+#pragma unroll
+    for (int i = 0; i < XP_RUNS; ++i) {
+        const i64 r = run0 + i;
+        if (r >= total) break;  // warp-uniform
+        const i64 row = r / runs;
+        const int k = (int)(r - row * runs) * 128 + 4 * lane;
+        uint2 o;
+        o.x = pack_bf16(v[i].x, v[i].y);
+        o.y = pack_bf16(v[i].z, v[i].w);
+        *(uint2*)(xb + row * kpad + k) = o;
+        float s = bf16_lo(o.x) + bf16_hi(o.x) + bf16_lo(o.y) + bf16_hi(o.y);
+        s += __shfl_xor_sync(0xffffffffu, s, 8);
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        if ((lane & 15) == 0) xs[row * (kpad >> 6) + (k >> 6)] = s;
+    }
 }
 
 // B fragments of NT n8 tiles (tokens nbase.., k0..k0+15) from the bf16 tile [token][BS_STRIDE].

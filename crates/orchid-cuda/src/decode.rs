@@ -303,6 +303,7 @@ impl DecodeGraph {
                         bs: KV_BLOCK as i32,
                         ldg: (hq * qstride) as i32,
                         nsplit: graph_splits() as i32,
+                        min_tiles: crate::tuning::get().attn_min_tiles as i32,
                         scale_log2: std::f32::consts::LOG2_E / (dh as f32).sqrt(),
                         ..Default::default()
                     };

@@ -55,7 +55,8 @@ pub struct AttnArgs {
     pub ldg: i32,
     pub nsplit: i32,
     pub scale_log2: f32,
-    pub pad0: i32,
+    /// Decode: key tiles per split at least (0 or 1: the keys spread over all splits).
+    pub min_tiles: i32,
     pub pad1: i32,
     pub pad2: i32,
 }

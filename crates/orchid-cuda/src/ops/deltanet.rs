@@ -172,8 +172,11 @@ pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()
     Ok(())
 }
 
+/// Tokens per thread of `gdn_conv` (CONV_TT in deltanet.cu).
+pub const CONV_TOKENS: usize = 8;
+
 pub fn conv(c: &Ctx, a: &ConvArgs) -> Result<()> {
-    let rows = a.t.max(a.kc - 1).max(1);
+    let rows = (a.t.max(a.kc - 1).max(1) as usize).div_ceil(CONV_TOKENS);
     c.k("gdn_conv").launch(&c.gpu, ((a.c as usize).div_ceil(256) as u32, rows as u32, 1), 256, 0, a)
 }
 

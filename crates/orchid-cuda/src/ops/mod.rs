@@ -664,11 +664,12 @@ pub fn gemm_x(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize) -> Result<Gemm
     let kpad = crate::weights::round_up(k.max(1), crate::weights::K_PAD);
     let buf = DevBuf::alloc(&c.gpu, rows * kpad * 2 + rows * (kpad / 64) * 4)?;
     let xp = GemmX { buf, rows, k, kpad };
-    let threads = rows * kpad / 32;
-    if threads > 0 {
+    // gemm_xprep: a warp per XP_RUNS (4) runs of 128 columns, 8 warps per block.
+    let warps = (rows * kpad / 128).div_ceil(4);
+    if warps > 0 {
         let (xb, xs) = (xp.xb(), xp.xs());
         let (rows32, ldx32, k32, kpad32) = (rows as i32, ldx as i32, k as i32, kpad as i32);
-        c.k("gemm_xprep").launch_raw(&c.gpu, (threads.div_ceil(256) as u32, 1, 1), 256, 0, params!(x, xb, xs, rows32, ldx32, k32, kpad32))?;
+        c.k("gemm_xprep").launch_raw(&c.gpu, (warps.div_ceil(8) as u32, 1, 1), 256, 0, params!(x, xb, xs, rows32, ldx32, k32, kpad32))?;
     }
     Ok(xp)
 }
