@@ -14,10 +14,29 @@ struct PrepArgs {
     float eps, pad2;
 };
 
-// One head row of D values: RMSNorm with multiplier weights nw, partial RoPE at `pos` (pairs i,
-// i + R/2 of the first R dims), rounded to bf16 into dst. One warp; y: D floats of scratch.
-DEVI void prep_row(const float* src, const float* nw, int D, int R, int pos, const float* inv_freq, float eps, float* y,
-                   __nv_bfloat16* dst) {
+// RoPE factors of a lane at `pos`: for e = lane + 32 i < R (i < 8, D ≤ 256), the cosine and sine
+// of pos · inv_freq[e mod R/2]. They depend on the position only, so decode computes them before
+// waiting for the previous kernel, once for all the rows of a head group.
+struct Rope {
+    float c[8], s[8];
+};
+DEVI Rope rope_lane(int pos, int R, const float* inv_freq) {
+    const int lane = threadIdx.x & 31, half = R / 2;
+    Rope r;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int e = lane + 32 * i;
+        r.c[i] = 1.f;
+        r.s[i] = 0.f;
+        if (e < R) sincosf((float)pos * inv_freq[e < half ? e : e - half], &r.s[i], &r.c[i]);
+    }
+    return r;
+}
+
+// One head row of D values: RMSNorm with multiplier weights nw, partial RoPE (pairs i, i + R/2
+// of the first R dims, factors from rope_lane), rounded to bf16 into dst. One warp; y: D floats
+// of scratch.
+DEVI void prep_row(const float* src, const float* nw, int D, int R, const Rope& rp, float eps, float* y, __nv_bfloat16* dst) {
     const int lane = threadIdx.x & 31, half = R / 2;
     float v[8], w[8];  // D ≤ 256: the row and the norm weights in one round of loads
 #pragma unroll
@@ -35,29 +54,37 @@ DEVI void prep_row(const float* src, const float* nw, int D, int R, int pos, con
     for (int i = 0; i < 8; ++i)
         if (lane + 32 * i < D) y[lane + 32 * i] = v[i] * inv * w[i];
     __syncwarp();
-    for (int e = lane; e < D; e += 32) {
-        float o = y[e];
-        if (e < R) {
-            int i = e < half ? e : e - half;
-            float ang = (float)pos * inv_freq[i];
-            float c = cosf(ang), s = sinf(ang);
-            o = e < half ? y[e] * c - y[e + half] * s : y[e] * c + y[i] * s;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int e = lane + 32 * i;
+        if (e < D) {
+            float o = y[e];
+            if (e < R) {
+                const int j = e < half ? e : e - half;
+                o = e < half ? y[e] * rp.c[i] - y[e + half] * rp.s[i] : y[e] * rp.c[i] + y[j] * rp.s[i];
+            }
+            dst[e] = __float2bfloat16_rn(o);
         }
-        dst[e] = __float2bfloat16_rn(o);
     }
     __syncwarp();
 }
 
 // Appends token t's key (normalised, rotated) and value of KV head kh to the cache. One warp.
-DEVI void prep_kv(const PrepArgs& a, int t, int kh, int pos, float* y) {
+// The value's loads are issued with the key's, before any store.
+DEVI void prep_kv(const PrepArgs& a, int t, int kh, int pos, const Rope& rp, float* y) {
     const int D = a.D, lane = threadIdx.x & 31;
     const int blk = ((const int*)a.table)[pos / a.BS];
     const i64 off = (((i64)blk * a.Hkv + kh) * a.BS + pos % a.BS) * D;
     const float* vs = (const float*)a.v + (i64)t * a.ldk + kh * D;
-    __nv_bfloat16* vd = (__nv_bfloat16*)a.vpool + off;
-    for (int e = lane; e < D; e += 32) vd[e] = __float2bfloat16_rn(vs[e]);
-    prep_row((const float*)a.k + (i64)t * a.ldk + kh * D, (const float*)a.k_norm, D, a.R, pos, (const float*)a.inv_freq, a.eps, y,
+    float vv[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vv[i] = lane + 32 * i < D ? vs[lane + 32 * i] : 0.f;
+    prep_row((const float*)a.k + (i64)t * a.ldk + kh * D, (const float*)a.k_norm, D, a.R, rp, a.eps, y,
              (__nv_bfloat16*)a.kpool + off);
+    __nv_bfloat16* vd = (__nv_bfloat16*)a.vpool + off;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (lane + 32 * i < D) vd[lane + 32 * i] = __float2bfloat16_rn(vv[i]);
 }
 
 // q/k RMSNorm (multiplier weights), partial RoPE at the token's position, q -> bf16 [T][Hq][D],
@@ -69,11 +96,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_prep(const PrepArgs a) {
     const int t = blockIdx.x, h = blockIdx.y * 4 + warp;
     if (h >= a.Hq + a.Hkv) return;
     const int pos = (a.pos_ptr ? *(const int*)a.pos_ptr : a.start) + t;
+    const Rope rp = rope_lane(pos, a.R, (const float*)a.inv_freq);
     if (h < a.Hq) {
-        prep_row((const float*)a.qg + (i64)t * a.ldq + h * a.qstride, (const float*)a.q_norm, a.D, a.R, pos, (const float*)a.inv_freq,
-                 a.eps, buf[warp], (__nv_bfloat16*)a.q_out + ((i64)t * a.Hq + h) * a.D);
+        prep_row((const float*)a.qg + (i64)t * a.ldq + h * a.qstride, (const float*)a.q_norm, a.D, a.R, rp, a.eps, buf[warp],
+                 (__nv_bfloat16*)a.q_out + ((i64)t * a.Hq + h) * a.D);
     } else {
-        prep_kv(a, t, h - a.Hq, pos, buf[warp]);
+        prep_kv(a, t, h - a.Hq, pos, rp, buf[warp]);
     }
 }
 
@@ -313,6 +341,7 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
     const bool early = ti0 < t_end && ti0 != last;  // a complete tile of earlier keys
     if (early) load_kv_tile<D, TK>(Kw, Kw + TK * ST, a, kvh, ti0 * TK, nkeys, lane, 32);
     cp_async_commit();
+    const Rope rp = rope_lane(pos, p.R, (const float*)p.inv_freq);  // weights and the position only
     pdl_enter();
     {
         float* y = (float*)(Kw + 2 * TK * ST);  // scratch in buffer 1, before any tile uses it
@@ -320,14 +349,13 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
             const int hg = z * 16 + r;
             if (hg < G) {
                 const int h = kvh * G + hg;
-                prep_row((const float*)p.qg + h * p.qstride, (const float*)p.q_norm, D, p.R, pos, (const float*)p.inv_freq, p.eps, y,
-                         Qs + r * ST);
+                prep_row((const float*)p.qg + h * p.qstride, (const float*)p.q_norm, D, p.R, rp, p.eps, y, Qs + r * ST);
             } else {
                 for (int e = lane; e < D; e += 32) Qs[r * ST + e] = __float2bfloat16_rn(0.f);
             }
         }
         if (warp == 0 && last / per == split) {
-            prep_kv(p, 0, kvh, pos, y);
+            prep_kv(p, 0, kvh, pos, rp, y);
             __threadfence();
         }
         __syncthreads();
@@ -356,16 +384,17 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
-    // Merge the 4 warps: per row the max m, then rescaled sums.
+    // Merge the 4 warps: per row the max m; each warp stores its rescaled o in its own slice
+    // of shared memory (the K/V buffers, no longer read), then all threads add the 4 slices in
+    // warp order.
     __syncthreads();
-    float* Ms = (float*)(Qs + 16 * ST);           // [4][16] m, [4][16] l, then O [16][D]
+    float* Ms = (float*)(Qs + 16 * ST);           // [4][16] m, [4][16] l, then O [4][16][D]
     float* Ls = Ms + 64;
     float* Os = Ls + 64;
     if (t4 == 0) {
         Ms[warp * 16 + g] = m[0]; Ms[warp * 16 + g + 8] = m[1];
         Ls[warp * 16 + g] = l[0]; Ls[warp * 16 + g + 8] = l[1];
     }
-    for (int i = threadIdx.x; i < 16 * D; i += 128) Os[i] = 0.f;
     __syncthreads();
     float sc[2];
 #pragma unroll
@@ -374,24 +403,21 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
         float M = fmaxf(fmaxf(Ms[row], Ms[16 + row]), fmaxf(Ms[32 + row], Ms[48 + row]));
         sc[r] = m[r] == NEG_INF ? 0.f : exp2f(m[r] - M);
     }
-    for (int w = 0; w < 4; ++w) {
-        if (warp == w) {
+    {
+        float* Ow = Os + warp * 16 * D;
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                int d = dt * 8 + 2 * t4;
-                Os[g * D + d] += o[dt][0] * sc[0];
-                Os[g * D + d + 1] += o[dt][1] * sc[0];
-                Os[(g + 8) * D + d] += o[dt][2] * sc[1];
-                Os[(g + 8) * D + d + 1] += o[dt][3] * sc[1];
-            }
+        for (int dt = 0; dt < D / 8; ++dt) {
+            int d = dt * 8 + 2 * t4;
+            *(float2*)(Ow + g * D + d) = make_float2(o[dt][0] * sc[0], o[dt][1] * sc[0]);
+            *(float2*)(Ow + (g + 8) * D + d) = make_float2(o[dt][2] * sc[1], o[dt][3] * sc[1]);
         }
-        __syncthreads();
     }
+    __syncthreads();
     const int nz = gridDim.z;
     const i64 pidx = ((i64)kvh * nz + z) * a.nsplit + split;  // partial index
     float* po = (float*)a.part_o + pidx * 16 * D;
     const int rows_here = min(16, G - z * 16);
-    for (int i = threadIdx.x; i < rows_here * D; i += 128) po[i] = Os[i];
+    for (int i = threadIdx.x; i < rows_here * D; i += 128) po[i] = ((Os[i] + Os[16 * D + i]) + Os[32 * D + i]) + Os[48 * D + i];
     if (threadIdx.x < 16) {
         int row = threadIdx.x;
         float M = fmaxf(fmaxf(Ms[row], Ms[16 + row]), fmaxf(Ms[32 + row], Ms[48 + row]));
@@ -421,16 +447,23 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a,
     if (s < 256) wts[s] = w;
     __syncthreads();
     const float inv = L > 0.f ? 1.f / L : 0.f;
+    // Batches of CB splits: all their loads in flight together (empty splits, weight 0, are not
+    // read: their partials were not written this step).
+    constexpr int CB = 16;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc0 = 0.f, acc1 = 0.f;
-        int sp = 0;
-        for (; sp + 1 < a.nsplit; sp += 2) {
-            float w0 = wts[sp], w1 = wts[sp + 1];
-            if (w0 != 0.f) acc0 += w0 * ((const float*)a.part_o)[((base + sp) * 16 + row) * D + d];
-            if (w1 != 0.f) acc1 += w1 * ((const float*)a.part_o)[((base + sp + 1) * 16 + row) * D + d];
+        float acc = 0.f;
+        for (int sp0 = 0; sp0 < a.nsplit; sp0 += CB) {
+            float v[CB];
+#pragma unroll
+            for (int i = 0; i < CB; ++i) {
+                const int sp = sp0 + i;
+                v[i] = (sp < a.nsplit && wts[sp] != 0.f) ? __ldcg((const float*)a.part_o + ((base + sp) * 16 + row) * D + d) : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < CB; ++i)
+                if (sp0 + i < a.nsplit) acc += wts[sp0 + i] * v[i];
         }
-        if (sp < a.nsplit && wts[sp] != 0.f) acc0 += wts[sp] * ((const float*)a.part_o)[((base + sp) * 16 + row) * D + d];
-        float v = (acc0 + acc1) * inv;
+        float v = acc * inv;
         if (a.gate) v *= sigmoidf_(((const float*)a.gate)[h * 2 * D + D + d]);
         ((float*)a.out)[h * D + d] = v;
     }

@@ -15,7 +15,10 @@
 //! At the first differing token the test recomputes the logits of the common context through
 //! both paths (prefill in the engine's chunks, then teacher-forced op-level decode and a decode
 //! graph) and accepts the difference only if both tokens are within 10 × rms(graph − op-level)
-//! (+ 1e-4 × max|logit|) of the op-level maximum ("near tie"); anything else fails. On a solo
+//! (+ 1e-4 × max|logit|) of the op-level maximum ("near tie"); anything else fails. The request
+//! joined mid-generation decoded part of its history batched on the op-level path, a history
+//! neither replay reproduces: for it, the fast token may instead lie within the tolerance of the
+//! graph replay's maximum (each path's token explained by its own numerics). On a solo
 //! request the fast path must also have run every decode step but the first (the first token is
 //! sampled on the host from the prefill logits), and never on the off engine.
 //!
@@ -339,11 +342,21 @@ fn compare(g: &CudaBackend, case: &Case, on: &Run, off: &Run, valid: usize) -> b
     let tol = 10.0 * rms + 1e-4 * max_abs;
     let top = l_op[argmax(l_op)] as f64;
     let (m_on, m_off) = (top - l_op[t_on as usize] as f64, top - l_op[t_off as usize] as f64);
-    let ok = m_on <= tol && m_off <= tol;
+    // A run that was not alone (joined mid-generation) decoded part of its history batched on
+    // the op-level path, which neither replay reproduces: its fast token may instead be explained
+    // by the graph's own numerics (near the top of the graph replay), the generic one by the
+    // op-level replay.
+    let m_on_graph = l_graph.as_ref().map(|lg| {
+        let lg = &lg[..valid];
+        (lg[argmax(lg)] - lg[t_on as usize]) as f64
+    });
+    let own = !on.alone && m_on_graph.is_some_and(|m| m <= tol) && m_off <= tol;
+    let ok = (m_on <= tol && m_off <= tol) || own;
     println!(
-        "PARITY {} {name}: first difference at generated token {i} of {} ({t_on} fast vs {t_off} generic): below the op-level top logit by {m_on:.3e} / {m_off:.3e}, near-tie tolerance {tol:.3e} (10 x rms graph-op {rms:.3e} + 1e-4 x max|logit| {max_abs:.3e})",
+        "PARITY {} {name}: first difference at generated token {i} of {} ({t_on} fast vs {t_off} generic): below the op-level top logit by {m_on:.3e} / {m_off:.3e}{}, near-tie tolerance {tol:.3e} (10 x rms graph-op {rms:.3e} + 1e-4 x max|logit| {max_abs:.3e})",
         if ok { "PASS" } else { "FAIL" },
-        a.len()
+        a.len(),
+        m_on_graph.map_or(String::new(), |m| format!(" (the fast token below the graph replay's top by {m:.3e}{})", if own { ", accepted: not alone" } else { "" })),
     );
     if on.alone {
         // Informational: the replay reproduces each engine's choice when the runs were solo.

@@ -83,7 +83,7 @@ pub fn prefill_smem(d: usize) -> usize {
 pub fn decode_smem(d: usize) -> usize {
     let (_, tk) = tiles_for(d);
     let kv = 4 * 2 * 2 * tk * (d + 8) * 2; // 4 warps, 2 buffers, K and V
-    let merge = (128 + 16 * d) * 4;
+    let merge = (128 + 4 * 16 * d) * 4; // m, l of the 4 warps, then each warp's rescaled O
     16 * (d + 8) * 2 + kv.max(merge)
 }
 
