@@ -18,7 +18,9 @@
 //! (+ 1e-4 × max|logit|) of the op-level maximum ("near tie"); anything else fails. The request
 //! joined mid-generation decoded part of its history batched on the op-level path, a history
 //! neither replay reproduces: for it, the fast token may instead lie within the tolerance of the
-//! graph replay's maximum (each path's token explained by its own numerics). On a solo
+//! graph replay's maximum (each path's token explained by its own numerics), and on a routed
+//! config (where that history may hold a router flip) both tokens within 5 % of max|logit| of
+//! the op-level maximum. On a solo
 //! request the fast path must also have run every decode step but the first (the first token is
 //! sampled on the host from the prefill logits), and never on the off engine.
 //!
@@ -351,12 +353,21 @@ fn compare(g: &CudaBackend, case: &Case, on: &Run, off: &Run, valid: usize) -> b
         (lg[argmax(lg)] - lg[t_on as usize]) as f64
     });
     let own = !on.alone && m_on_graph.is_some_and(|m| m <= tol) && m_off <= tol;
-    let ok = (m_on <= tol && m_off <= tol) || own;
+    // With discrete routing, that unreplayed history can also hold a router flip (one moves the
+    // logits 0.05–0.4 relative: gpu_model.rs), so a routed joined run only needs both tokens
+    // among the top candidates: within 5 % of max|logit| of the op-level top (a broken handoff,
+    // wrong position or stale state, lands far below: random logits spread over ±max|logit|).
+    let routed = case.cfg.moe.num_experts > 0 && case.cfg.moe.top_k < case.cfg.moe.num_experts;
+    let flip = !on.alone && routed && m_on <= 0.05 * max_abs && m_off <= 0.05 * max_abs;
+    let ok = (m_on <= tol && m_off <= tol) || own || flip;
     println!(
         "PARITY {} {name}: first difference at generated token {i} of {} ({t_on} fast vs {t_off} generic): below the op-level top logit by {m_on:.3e} / {m_off:.3e}{}, near-tie tolerance {tol:.3e} (10 x rms graph-op {rms:.3e} + 1e-4 x max|logit| {max_abs:.3e})",
         if ok { "PASS" } else { "FAIL" },
         a.len(),
-        m_on_graph.map_or(String::new(), |m| format!(" (the fast token below the graph replay's top by {m:.3e}{})", if own { ", accepted: not alone" } else { "" })),
+        m_on_graph.map_or(String::new(), |m| format!(
+            " (the fast token below the graph replay's top by {m:.3e}{})",
+            if own { ", accepted: not alone" } else if flip { ", accepted: not alone, routed, within 5 % of max|logit|" } else { "" }
+        )),
     );
     if on.alone {
         // Informational: the replay reproduces each engine's choice when the runs were solo.
