@@ -175,6 +175,27 @@ DEVI u32 float_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// One round of a warp's top-k over pv[16] (value i of lane l belongs to id l + 32 i; taken or
+// absent entries hold a value below every candidate, e.g. -1 for probabilities): returns the
+// largest value and its id (ties to the lower id), and marks it taken (-1). The lane's best is a
+// scan in id order; the warp's best value and then its lowest id are one redux.sync each.
+DEVI float warp_take_max(float (&pv)[16], int& id) {
+    const int lane = threadIdx.x & 31;
+    float bv = pv[0];
+    int bi = 0;
+#pragma unroll
+    for (int i = 1; i < 16; ++i)
+        if (pv[i] > bv) { bv = pv[i]; bi = i; }
+    const u32 key = float_key(bv);
+    const u32 wkey = __reduce_max_sync(0xffffffffu, key);
+    const u32 wid = __reduce_min_sync(0xffffffffu, key == wkey ? (u32)(lane + 32 * bi) : 0xffffffffu);
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        if ((u32)(lane + 32 * i) == wid) pv[i] = -1.f;
+    id = (int)wid;
+    return __shfl_sync(0xffffffffu, bv, wid & 31);
+}
+
 // Counter-based random numbers (SplitMix64 finaliser): uniform in [0, 1).
 DEVI float uniform01(u64 seed, u64 counter) {
     u64 z = seed + 0x9E3779B97F4A7C15ull * (counter + 1);

@@ -382,22 +382,8 @@ DEVI void route_topk(const float* logits, int E, int topk, int renorm, int share
     sum = warp_sum(sum);
     float picked = 0.f;
     for (int k = 0; k < topk; ++k) {
-        float bv = -1.f;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            int e = lane + 32 * i;
-            if (pv[i] > bv) { bv = pv[i]; bi = e; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            if (lane + 32 * i == bi) pv[i] = -1.f;
+        int bi;
+        const float bv = warp_take_max(pv, bi);
         float p = bv / sum;
         picked += p;
         if (lane == 0) { ids[k] = bi; wts[k] = p; }
@@ -639,11 +625,19 @@ DEVI void route_phase(const MoeUpArgs& a, const XLayout& L, float* xsum, float* 
         __threadfence();
     }
     __syncthreads();
+    // Sum the K parts in a fixed order. E + 1 columns (the shared-expert gate last) for 256
+    // threads: a thread's two columns are loaded together, so this is one round trip to L2.
     const int n_out = a.E + 1;
-    for (int c = threadIdx.x; c < n_out; c += blockDim.x) {
-        float v = 0.f;
-        for (int p = 0; p < kp; ++p) v += __ldcg((const float*)a.partial + (i64)p * n_out + c);
+    for (int c = threadIdx.x; c < n_out; c += 2 * blockDim.x) {
+        const int c2 = c + blockDim.x;
+        float v = 0.f, v2 = 0.f;
+        for (int p = 0; p < kp; ++p) {
+            const float* part = (const float*)a.partial + (i64)p * n_out;
+            v += __ldcg(part + c);
+            if (c2 < n_out) v2 += __ldcg(part + c2);
+        }
         s_logits[c] = v;
+        if (c2 < n_out) s_logits[c2] = v2;
     }
     __syncthreads();
     if (threadIdx.x == 0) {  // the last block out resets the barrier for the next MoE layer

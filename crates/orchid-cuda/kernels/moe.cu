@@ -27,20 +27,8 @@ DEVI void warp_topk(const float* logits, int E, int topk, int renorm, int* ids, 
     float picked = 0.f, mine = 0.f;
     int mine_id = 0;
     for (int k = 0; k < topk; ++k) {
-        float bv = -1.f;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            if (pv[i] > bv) { bv = pv[i]; bi = lane + 32 * i; }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            if (lane + 32 * i == bi) pv[i] = -1.f;
+        int bi;
+        const float bv = warp_take_max(pv, bi);
         float p = bv / sum;
         picked += p;
         if (lane == k) { mine = p; mine_id = bi; }
