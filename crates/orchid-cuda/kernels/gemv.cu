@@ -258,9 +258,7 @@ DEVI void cp_async8_ring(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }
 
-#define RING 4       // unit slots per warp (ops::RING_SLOTS): 8 warps x 4 x 1.5 KB = 48 KB per block (Q4)
-#define RING_DOWN 6  // moe_down's (ops::RING_SLOTS_DOWN): its warps take 5 units at the 35B's shapes
-                     // (9 sources x 4 units / 8 warps), all requested before the wait
+#define RING 4  // unit slots per warp (ops::RING_SLOTS): 8 warps x 4 x 1.5 KB = 48 KB per block (Q4)
 
 // A unit to fetch: the tile's row pointers and the unit index along K.
 struct URef {
@@ -270,12 +268,11 @@ struct URef {
 
 // Warp-private ring of RING unit slots. Slot layout (Q4): A0 of the 32 lanes, A1 of the 32 lanes,
 // then (S0, S1) of the 32 lanes, 16 bytes per lane each: lane-contiguous, no bank conflicts.
-template <int FMT, int DEPTH = RING>
+template <int FMT>
 struct UnitRing {
-    static constexpr int SLOTS = DEPTH;
     static constexpr int SLOT = FMT == FMT_Q4 ? 32 * 48 : 32 * 32;
-    static constexpr int BLOCK_BYTES = 8 * DEPTH * SLOT;  // the 8 warps' rings
-    unsigned char* base;  // this warp's DEPTH slots
+    static constexpr int BLOCK_BYTES = 8 * RING * SLOT;  // the 8 warps' rings
+    unsigned char* base;  // this warp's RING slots
 
     DEVI void issue(int slot, const URef& r) const {
         unsigned char* s = base + slot * SLOT + (threadIdx.x & 31) * 16;
@@ -299,34 +296,32 @@ struct UnitRing {
 };
 
 // The warp's ring in a block's shared memory (rings first, 8 warps).
-template <int FMT, int DEPTH = RING>
-DEVI UnitRing<FMT, DEPTH> warp_ring(unsigned char* smem) {
-    return UnitRing<FMT, DEPTH>{smem + (threadIdx.x >> 5) * DEPTH * UnitRing<FMT, DEPTH>::SLOT};
-}
+template <int FMT>
+DEVI UnitRing<FMT> warp_ring(unsigned char* smem) { return UnitRing<FMT>{smem + (threadIdx.x >> 5) * RING * UnitRing<FMT>::SLOT}; }
 
-// Requests units 0 .. min(n, R) - 1 (R = the ring's depth). Commits exactly R groups (empty ones
-// included), so that before unit i is consumed R + i groups are committed and waiting for all but
-// the newest R - 1 completes unit i. Every thread of the block must call ring_start and ring_run
-// (n may be 0); ref(i) is called for i = 0, 1, ... in order (callers may keep cursors).
-template <int FMT, int R, class Ref>
-DEVI void ring_start(const UnitRing<FMT, R>& ring, int n, Ref& ref) {
+// Requests units 0 .. min(n, RING) - 1. Commits exactly RING groups (empty ones included), so
+// that before unit i is consumed RING + i groups are committed and waiting for all but the newest
+// RING - 1 completes unit i. Every thread of the block must call ring_start and ring_run (n may
+// be 0); ref(i) is called for i = 0, 1, ... in order (callers may keep cursors).
+template <int FMT, class Ref>
+DEVI void ring_start(const UnitRing<FMT>& ring, int n, Ref& ref) {
 #pragma unroll
-    for (int s = 0; s < R; ++s) {
+    for (int s = 0; s < RING; ++s) {
         if (s < n) ring.issue(s, ref(s));
         cp_async_commit();
     }
 }
 
 // Consumes units 0 .. n - 1 in order (use(i, A0, A1, S0, S1)), refilling each slot with unit
-// i + R. Unrolled by R so that slots are compile-time offsets.
-template <int FMT, int R, class Ref, class Use>
-DEVI void ring_run(const UnitRing<FMT, R>& ring, int n, Ref& ref, Use&& use) {
-    for (int i0 = 0; i0 < n; i0 += R) {
+// i + RING. Unrolled by RING so that slots are compile-time offsets.
+template <int FMT, class Ref, class Use>
+DEVI void ring_run(const UnitRing<FMT>& ring, int n, Ref& ref, Use&& use) {
+    for (int i0 = 0; i0 < n; i0 += RING) {
 #pragma unroll
-        for (int k = 0; k < R; ++k) {
+        for (int k = 0; k < RING; ++k) {
             const int i = i0 + k;
             if (i < n) {
-                cp_async_wait<R - 1>();
+                cp_async_wait<RING - 1>();
                 uint4 A0, A1;
                 uint2 S0 = make_uint2(0u, 0u), S1 = make_uint2(0u, 0u);
                 ring.get(k, A0, A1, S0, S1);
@@ -334,7 +329,7 @@ DEVI void ring_run(const UnitRing<FMT, R>& ring, int n, Ref& ref, Use&& use) {
                 // The slot's words are consumed; this "memory" clobber keeps the compiler from
                 // moving its reads below the refill.
                 asm volatile("" ::: "memory");
-                if (i + R < n) ring.issue(k, ref(i + R));
+                if (i + RING < n) ring.issue(k, ref(i + RING));
             }
             cp_async_commit();
         }
@@ -757,7 +752,7 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
     const int nsrc = a.topk + a.has_shared;
     const int kmax = a.kpad_r > a.kpad_s ? a.kpad_r : a.kpad_s;
     const int groups = kmax / 64;
-    const int ring_bytes = UnitRing<FMT, RING_DOWN>::BLOCK_BYTES;
+    const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
     const XLayout L{(u32*)(smem + ring_bytes), x_words(kmax, FMT == FMT_Q4), FMT == FMT_Q4};  // one "token" per source
     float* xsum = (float*)(smem + ring_bytes + (size_t)nsrc * L.tstride * 4);
     float* red = xsum + nsrc * groups;
@@ -771,7 +766,7 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
     const int n_r = a.topk * nu_r, total = n_r + (a.has_shared ? nu_s : 0);
     const int* ids = (const int*)a.ids;
     const float* rw = (const float*)a.route_w;
-    const UnitRing<FMT, RING_DOWN> ring = warp_ring<FMT, RING_DOWN>(smem);
+    const UnitRing<FMT> ring = warp_ring<FMT>(smem);
     const int n = active ? units_from(ks, a.ksplit, total) : 0;
     // The unit list f = ks + i * ksplit as (source, unit) cursors: ref and use are called with
     // i = 0, 1, ... in order (see ring_run), so each advances its cursor by ksplit units.

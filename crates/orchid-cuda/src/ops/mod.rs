@@ -222,15 +222,7 @@ pub const RING_SLOTS: usize = 4;
 
 /// Shared memory of the 8 warps' rings: a slot holds one unit of a 16-row tile for 32 lanes.
 pub fn ring_bytes(fmt: WFormat) -> usize {
-    ring_bytes_depth(fmt, RING_SLOTS)
-}
-
-/// Unit slots per warp of `moe_down` (RING_DOWN in gemv.cu): a warp's 5 units at the 35B's shapes.
-pub const RING_SLOTS_DOWN: usize = 6;
-
-/// Shared memory of 8 warps' rings of `depth` unit slots.
-pub fn ring_bytes_depth(fmt: WFormat, depth: usize) -> usize {
-    8 * depth * if fmt == WFormat::Q4 { 32 * 48 } else { 32 * 32 }
+    8 * RING_SLOTS * if fmt == WFormat::Q4 { 32 * 48 } else { 32 * 32 }
 }
 
 /// Shared-memory bytes of one staged activation row (kernels/gemv.cu x_words): Q4 kernels keep
@@ -553,7 +545,7 @@ pub fn moe_down(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64
     a.ksplit = 8;
     let nsrc = m.topk + a.has_shared as usize;
     let kmax = (a.kpad_r.max(a.kpad_s)) as usize;
-    let smem = ring_bytes_depth(fmt, RING_SLOTS_DOWN) + nsrc * x_stage_bytes(fmt, kmax) + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
+    let smem = ring_bytes(fmt) + nsrc * x_stage_bytes(fmt, kmax) + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
     let name = if fmt == WFormat::Q4 { "moe_down_q4" } else { "moe_down_bf16" };
     c.k(name).launch(&c.gpu, (hdim.div_ceil(16) as u32, 1, 1), 256, smem as u32, &a)
 }
