@@ -175,6 +175,25 @@ DEVI u32 float_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Softmax numerators of a warp's E ≤ 512 logits, held as pv[i] = logit l + 32 i of lane l (-inf
+// beyond E): pv[i] = exp(logit − max) within E, −1 beyond (below every candidate of
+// warp_take_max); returns their sum.
+DEVI float warp_softmax16(float (&pv)[16], int E) {
+    const int lane = threadIdx.x & 31;
+    float m = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = fmaxf(m, pv[i]);
+    m = warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        int e = lane + 32 * i;
+        pv[i] = e < E ? expf(pv[i] - m) : -1.f;
+        sum += e < E ? pv[i] : 0.f;
+    }
+    return warp_sum(sum);
+}
+
 // One round of a warp's top-k over pv[16] (value i of lane l belongs to id l + 32 i; taken or
 // absent entries hold a value below every candidate, e.g. -1 for probabilities): returns the
 // largest value and its id (ties to the lower id), and marks it taken (-1). The lane's best is a

@@ -364,22 +364,12 @@ template <bool GLOBAL = true>
 DEVI void route_topk(const float* logits, int E, int topk, int renorm, int shared_col, int* ids, float* wts) {
     const int lane = threadIdx.x & 31;
     float pv[16];
-    float m = NEG_INF;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         int e = lane + 32 * i;
         pv[i] = e < E ? (GLOBAL ? __ldcg(logits + e) : logits[e]) : NEG_INF;
-        m = fmaxf(m, pv[i]);
     }
-    m = warp_max(m);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        int e = lane + 32 * i;
-        pv[i] = e < E ? expf(pv[i] - m) : -1.f;
-        sum += e < E ? pv[i] : 0.f;
-    }
-    sum = warp_sum(sum);
+    const float sum = warp_softmax16(pv, E);
     float picked = 0.f;
     for (int k = 0; k < topk; ++k) {
         int bi;

@@ -8,22 +8,12 @@
 DEVI void warp_topk(const float* logits, int E, int topk, int renorm, int* ids, float* wts) {
     const int lane = threadIdx.x & 31;
     float pv[16];
-    float m = NEG_INF;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         int e = lane + 32 * i;
         pv[i] = e < E ? logits[e] : NEG_INF;
-        m = fmaxf(m, pv[i]);
     }
-    m = warp_max(m);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        int e = lane + 32 * i;
-        pv[i] = e < E ? expf(pv[i] - m) : -1.f;
-        sum += e < E ? pv[i] : 0.f;
-    }
-    sum = warp_sum(sum);
+    const float sum = warp_softmax16(pv, E);
     float picked = 0.f, mine = 0.f;
     int mine_id = 0;
     for (int k = 0; k < topk; ++k) {
