@@ -82,6 +82,18 @@ DEVI float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
 DEVI float siluf_(float x) { return x / (1.f + __expf(-x)); }
 DEVI float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+// Sum of a 64-group's bf16-rounded values held by 16 consecutive lanes, 4 each (bf16 pairs p0, p1):
+// each lane's 4-value sum, then a 16-lane shuffle tree; every lane of the 16 gets the total. The
+// one summation order of the decode x staging and gemm_xprep.
+DEVI float group64_sum(u32 p0, u32 p1) {
+    float s = bf16_lo(p0) + bf16_hi(p0) + bf16_lo(p1) + bf16_hi(p1);
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    return s;
+}
+
 // bf16x2 (128 + q) for pair slot p of a repacked Q4 word: ((w >> 4p) & mask) | 0x43004300 as one
 // lop3 (the compiler emits two when both constants are immediates: lop3 takes one).
 DEVI u32 q4_pair(u32 w, int p) {

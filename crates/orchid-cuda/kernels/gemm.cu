@@ -76,29 +76,24 @@ extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __rest
     const i64 total = (i64)rows * runs;
     const i64 run0 = (((i64)blockIdx.x * 256 + threadIdx.x) >> 5) * XP_RUNS;
     float4 v[XP_RUNS];
+    i64 row[XP_RUNS];
+    int k[XP_RUNS];
 #pragma unroll
     for (int i = 0; i < XP_RUNS; ++i) {
         const i64 r = run0 + i;
-        const i64 row = r < total ? r / runs : 0;
-        const int k = (int)(r - row * runs) * 128 + 4 * lane;
-        v[i] = (r < total && k < K) ? *(const float4*)(x + row * ldx + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        row[i] = r < total ? r / runs : 0;
+        k[i] = (int)(r - row[i] * runs) * 128 + 4 * lane;
+        v[i] = (r < total && k[i] < K) ? *(const float4*)(x + row[i] * ldx + k[i]) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int i = 0; i < XP_RUNS; ++i) {
-        const i64 r = run0 + i;
-        if (r >= total) break;  // warp-uniform
-        const i64 row = r / runs;
-        const int k = (int)(r - row * runs) * 128 + 4 * lane;
+        if (run0 + i >= total) break;  // warp-uniform
         uint2 o;
         o.x = pack_bf16(v[i].x, v[i].y);
         o.y = pack_bf16(v[i].z, v[i].w);
-        *(uint2*)(xb + row * kpad + k) = o;
-        float s = bf16_lo(o.x) + bf16_hi(o.x) + bf16_lo(o.y) + bf16_hi(o.y);
-        s += __shfl_xor_sync(0xffffffffu, s, 8);
-        s += __shfl_xor_sync(0xffffffffu, s, 4);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        if ((lane & 15) == 0) xs[row * (kpad >> 6) + (k >> 6)] = s;
+        *(uint2*)(xb + row[i] * kpad + k[i]) = o;
+        const float s = group64_sum(o.x, o.y);
+        if ((lane & 15) == 0) xs[row[i] * (kpad >> 6) + (k[i] >> 6)] = s;
     }
 }
 

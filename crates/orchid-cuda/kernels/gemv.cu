@@ -91,11 +91,7 @@ DEVI void stage_x_vec(const float* __restrict__ x, int ldx, int T, int K, int kp
                 const u32 p0 = pack_bf16(a.x, a.y), p1 = pack_bf16(a.z, a.w);
                 L.base[L.word(t, 2 * c)] = p0;
                 L.base[L.word(t, 2 * c + 1)] = p1;
-                float s = bf16_lo(p0) + bf16_hi(p0) + bf16_lo(p1) + bf16_hi(p1);
-                s += __shfl_xor_sync(0xffffffffu, s, 8);
-                s += __shfl_xor_sync(0xffffffffu, s, 4);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                const float s = group64_sum(p0, p1);
                 if ((threadIdx.x & 15) == 0) xsum[t * groups + (c >> 4)] = s;
             }
         }
@@ -801,11 +797,7 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
                     const u32 p0 = pack_bf16(v[i].x, v[i].y), p1 = pack_bf16(v[i].z, v[i].w);
                     L.base[L.word(src, 2 * c)] = p0;
                     L.base[L.word(src, 2 * c + 1)] = p1;
-                    float sm = bf16_lo(p0) + bf16_hi(p0) + bf16_lo(p1) + bf16_hi(p1);
-                    sm += __shfl_xor_sync(0xffffffffu, sm, 8);
-                    sm += __shfl_xor_sync(0xffffffffu, sm, 4);
-                    sm += __shfl_xor_sync(0xffffffffu, sm, 2);
-                    sm += __shfl_xor_sync(0xffffffffu, sm, 1);
+                    const float sm = group64_sum(p0, p1);
                     if ((threadIdx.x & 15) == 0) xsum[src * groups + (c >> 4)] = sm;
                 }
             }
