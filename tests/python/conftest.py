@@ -5,7 +5,7 @@
 * `ws`: the session's reference workspace (random checkpoints + transformers/mlx-lm logits,
   generated on first use). Set ORCHID_TEST_CACHE=DIR to keep it across sessions (the cache
   is keyed by a hash of the harness sources, so edits invalidate it).
-* `repo_root`, `shared_dir` (../shared assets), `scratch` (session tmp dir).
+* `repo_root`, `scratch` (session tmp dir).
 * `--runslow` runs the tests marked `slow` (the full layout x dtype x length matrix).
 
 Environment knobs: ORCHID_DEVICE (passed as --device), ORCHID_PARITY_TOL (default 1e-4),
@@ -53,14 +53,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
-
-
-@pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    for d in (REPO / "shared", REPO.parent / "shared"):
-        if d.is_dir():
-            return d
-    pytest.skip("../shared (test assets) not found")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Chat template parity: `orchid render-chat` must render byte-identically to transformers'
 `apply_chat_template(messages, tools=.., add_generation_prompt=.., tokenize=False, **kwargs)`.
 
-Templates: the Qwen3.5 one (/work/shared/assets/qwen3.5/chat_template.jinja, reference built
+Templates: the Qwen3.5 one (assets/qwen3.5/chat_template.jinja, reference built
 with `PreTrainedTokenizerFast(tokenizer_file=.., chat_template=..)` since that folder has no
 tokenizer_config.json) and the Qwen3 one (`chat_template` in qwen3/tokenizer_config.json,
 reference from `AutoTokenizer.from_pretrained`). orchid converts tool-call `arguments` given as
@@ -25,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-ASSETS = (REPO / ".." / "shared" / "assets").resolve()
+ASSETS = REPO / "assets"
 ORCHID = Path(os.environ.get("ORCHID_BIN", REPO / "target" / "release" / "orchid"))
 
 # ------------------------------------------------------------------------------------------

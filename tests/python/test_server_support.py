@@ -38,10 +38,8 @@ STARTUP_TIMEOUT = float(os.environ.get("ORCHID_SERVER_TIMEOUT", "180"))
 
 
 def shared_assets() -> Path | None:
-    for d in (REPO / "shared", REPO.parent / "shared"):
-        if (d / "assets" / "qwen3.5" / "tokenizer.json").is_file():
-            return d / "assets" / "qwen3.5"
-    return None
+    d = REPO / "assets" / "qwen3.5"
+    return d if (d / "tokenizer.json").is_file() else None
 
 
 def orchid_binary() -> Path:
@@ -57,7 +55,7 @@ def binary_problem() -> str | None:
     if p.returncode != 0:
         return f"{b} has no `serve` command"
     if shared_assets() is None:
-        return "../shared/assets/qwen3.5 (tokenizer, chat template) not found"
+        return "assets/qwen3.5 (tokenizer, chat template) not found"
     return None
 
 

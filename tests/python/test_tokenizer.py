@@ -1,6 +1,6 @@
 """Tokenizer parity: `orchid tokenize` must give exactly the ids of the HF `tokenizers` library.
 
-Both shared tokenizers are checked (Qwen3.5/3.6: /work/shared/assets/qwen3.5, Qwen3 / Qwen3-Next:
+Both bundled tokenizers are checked (Qwen3.5/3.6: assets/qwen3.5, Qwen3 / Qwen3-Next:
 .../qwen3) on a multilingual sample: English, German, French, Chinese, Japanese, Korean, Arabic,
 Hindi with combining marks, emoji (incl. ZWJ sequences and flags), code, numbers, whitespace
 runs and special tokens written inline, plus a seeded random mix. Decoding the ids with HF gives
@@ -22,7 +22,7 @@ import pytest
 from tokenizers import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-ASSETS = (REPO / ".." / "shared" / "assets").resolve()
+ASSETS = REPO / "assets"
 ORCHID = Path(os.environ.get("ORCHID_BIN", REPO / "target" / "release" / "orchid"))
 
 SAMPLES = {

@@ -193,7 +193,7 @@ mod tests {
     use std::path::PathBuf;
 
     fn qwen35() -> Arc<Tokenizer> {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/assets/qwen3.5");
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.5");
         Arc::new(Tokenizer::from_dir(&dir).unwrap())
     }
 

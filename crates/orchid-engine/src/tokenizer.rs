@@ -314,7 +314,7 @@ mod tests {
 
     pub(crate) fn assets(name: &str) -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/assets")
+            .join("../../assets")
             .join(name)
     }
 

@@ -17,7 +17,7 @@ use super::*;
 use crate::state::ServerConfig;
 
 fn assets() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/assets/qwen3.5")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.5")
 }
 
 /// A server whose model "fails to load", with the real Qwen3.5 tokenizer and template.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 fn assets(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/assets")
+        .join("../../assets")
         .join(name)
 }
 
