@@ -10,6 +10,7 @@ pub mod detokenize;
 pub mod engine;
 pub mod request;
 pub mod sampling;
+pub mod sampling_limits;
 pub mod stop;
 pub mod tokenizer;
 

@@ -42,14 +42,10 @@ pub fn run(a: ChatArgs) -> Result<()> {
         history.push(json!({"role": "user", "content": line}));
         let prompt = template.render(&history, None, true, &kwargs)?;
         let req = a.conv.sampling.request(&dir, loaded.tokenizer.encode(&prompt, false)?, &loaded.tokenizer);
-        let (_, _, _, text) = stream_to(&loaded, req, &mut out)?;
+        let r = stream_to(&loaded, req, &a.conv.display(&prompt, false), &mut out)?;
         writeln!(out)?;
-        // Split the reasoning off the answer for the history, as the template expects.
-        let (reasoning, content) = match text.split_once("</think>") {
-            Some((r, c)) => (r.trim().trim_start_matches("<think>").trim().to_string(), c.trim().to_string()),
-            None => (String::new(), text.trim().to_string()),
-        };
-        history.push(json!({"role": "assistant", "content": content, "reasoning_content": reasoning}));
+        // The reasoning goes into the history apart from the answer, as the template expects.
+        history.push(json!({"role": "assistant", "content": r.content.trim(), "reasoning_content": r.reasoning.trim()}));
     }
     loaded.engine.shutdown(false);
     Ok(())

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
 use orchid_cpu::CpuBackend;
+use orchid_engine::sampling_limits as limits;
 use orchid_model::Model;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -26,20 +27,31 @@ pub fn model_dir(arg: Option<&Path>) -> Result<PathBuf> {
     default_model_dir().context("no --model given and the bundled model was not found")
 }
 
-/// `models/orchid-tiny` next to the executable's repository, or under $ORCHID_HOME.
+/// `models/orchid-tiny` in the executable's repository (or a copy of it beside the
+/// executable), under $ORCHID_HOME, or in the current folder.
 pub fn default_model_dir() -> Option<PathBuf> {
+    find_in_repository("models/orchid-tiny", "config.json")
+}
+
+/// A folder of the repository's `assets/` (the bundled tokenizers), found like the bundled model.
+pub fn bundled_asset(name: &str) -> Option<PathBuf> {
+    find_in_repository(&format!("assets/{name}"), "tokenizer.json")
+}
+
+/// `rel` under $ORCHID_HOME, under an ancestor of the executable (target/release/orchid or
+/// dist/orchid -> the repository root), or under the current folder: the first that holds `file`.
+fn find_in_repository(rel: &str, file: &str) -> Option<PathBuf> {
     let mut candidates = Vec::new();
     if let Ok(home) = std::env::var("ORCHID_HOME") {
-        candidates.push(PathBuf::from(home).join("models/orchid-tiny"));
+        candidates.push(PathBuf::from(home).join(rel));
     }
     if let Ok(exe) = std::env::current_exe() {
-        // target/release/orchid -> repository root
         for anc in exe.ancestors().skip(1).take(4) {
-            candidates.push(anc.join("models/orchid-tiny"));
+            candidates.push(anc.join(rel));
         }
     }
-    candidates.push(PathBuf::from("models/orchid-tiny"));
-    candidates.into_iter().find(|p| p.join("config.json").is_file())
+    candidates.push(PathBuf::from(rel));
+    candidates.into_iter().find(|p| p.join(file).is_file())
 }
 
 /// Loads `dir` onto `backend`, logging what was loaded and how long it took.
@@ -113,9 +125,18 @@ pub struct ConversationArgs {
     /// A system message.
     #[arg(long)]
     pub system: Option<String>,
-    /// Turn the model's thinking off (the template's `enable_thinking=false`).
+    /// Turn the model's thinking on (the template's `enable_thinking=true`).
+    #[arg(long, conflicts_with = "no_think")]
+    pub think: bool,
+    /// Turn the model's thinking off (the template's `enable_thinking=false`). Without either
+    /// flag the checkpoint's chat template decides (the bundled model: off).
     #[arg(long)]
     pub no_think: bool,
+    /// Do not print the model's reasoning (by default it goes to stderr, dimmed on a terminal,
+    /// apart from the answer on stdout).
+    #[arg(long)]
+    pub hide_reasoning: bool,
+    /// Where to run the model.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
     #[command(flatten)]
@@ -134,8 +155,8 @@ impl ConversationArgs {
     /// The chat template's extra arguments.
     pub fn template_kwargs(&self) -> serde_json::Map<String, serde_json::Value> {
         let mut kwargs = serde_json::Map::new();
-        if self.no_think {
-            kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+        if self.think || self.no_think {
+            kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(self.think));
         }
         kwargs
     }
@@ -147,34 +168,50 @@ impl ConversationArgs {
 }
 
 /// Sampling flags shared by `run` and `chat`; unset flags fall back to the checkpoint's
-/// generation_config.json.
+/// generation_config.json. The ranges are the HTTP API's (orchid_engine::sampling_limits).
 #[derive(clap::Args, Clone, Debug)]
 pub struct SamplingArgs {
-    /// 0 = greedy.
-    #[arg(long)]
+    /// Sampling temperature, 0 to 2; 0 = greedy.
+    #[arg(long, value_parser = limited(limits::TEMPERATURE))]
     pub temperature: Option<f32>,
+    /// Sample from the k most likely tokens only (0 = off).
     #[arg(long)]
     pub top_k: Option<usize>,
-    #[arg(long)]
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches p, in (0, 1].
+    #[arg(long, value_parser = limited(limits::TOP_P))]
     pub top_p: Option<f32>,
-    #[arg(long)]
+    /// Drop tokens less likely than min_p times the most likely one, 0 to 1.
+    #[arg(long, value_parser = limited(limits::MIN_P))]
     pub min_p: Option<f32>,
-    #[arg(long)]
+    /// Divide the logits of tokens already seen (prompt and output) by this, in (0, 10]; 1 = off.
+    #[arg(long, value_parser = limited(limits::REPETITION_PENALTY))]
     pub repetition_penalty: Option<f32>,
-    #[arg(long)]
+    /// Subtract this from the logits of tokens already generated, -2 to 2.
+    #[arg(long, value_parser = limited(limits::PRESENCE_PENALTY))]
     pub presence_penalty: Option<f32>,
-    #[arg(long)]
+    /// Subtract this times the count of each token already generated, -2 to 2.
+    #[arg(long, value_parser = limited(limits::FREQUENCY_PENALTY))]
     pub frequency_penalty: Option<f32>,
+    /// Seed of the sampler, for reproducible sampled output.
     #[arg(long)]
     pub seed: Option<u64>,
     /// Greedy decoding (same as --temperature 0).
     #[arg(long)]
     pub greedy: bool,
-    #[arg(long, default_value_t = 512)]
-    pub max_tokens: usize,
-    /// Stop string (repeatable).
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_tokens: u64,
+    /// Stop when the output contains this string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+}
+
+/// A clap value parser for a sampling flag: a number inside `limit`, with the API's message.
+fn limited(limit: limits::Limit) -> impl Fn(&str) -> Result<f32, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let x: f64 = s.trim().parse().map_err(|_| format!("`{}` must be a number, got `{s}`", limit.name))?;
+        limit.check(x)
+    }
 }
 
 impl SamplingArgs {
@@ -182,7 +219,7 @@ impl SamplingArgs {
     pub fn request(&self, dir: &Path, prompt: Vec<u32>, tokenizer: &orchid_engine::Tokenizer) -> orchid_engine::request::GenerateRequest {
         let mut req = orchid_engine::request::GenerateRequest::new(prompt);
         req.sampling = self.params(dir);
-        req.max_tokens = self.max_tokens;
+        req.max_tokens = self.max_tokens as usize;
         req.stop = self.stop.clone();
         req.stop_token_ids = tokenizer.eos_token_ids().to_vec();
         req
@@ -219,32 +256,101 @@ impl SamplingArgs {
     }
 }
 
-/// Streams one request's text to `out`; returns (generated tokens, seconds to first token, total seconds).
+/// What one streamed turn produced.
+pub struct Streamed {
+    pub tokens: usize,
+    /// Seconds to the first token, and in all.
+    pub first_token_secs: f64,
+    pub secs: f64,
+    pub reasoning: String,
+    pub content: String,
+}
+
+/// How a turn's text is shown: the answer on `out`; the reasoning (when the prompt opened it or
+/// the model opens it) on stderr, dimmed when stderr is a terminal, or not at all.
+pub struct Display {
+    /// Parse `<think>…</think>` out of the text (false for raw completions).
+    pub parse_reasoning: bool,
+    /// The prompt already opened `<think>`.
+    pub in_reasoning: bool,
+    pub show_reasoning: bool,
+}
+
+/// Streams one request's text; returns what was generated.
 pub fn stream_to(
     loaded: &Loaded,
     req: orchid_engine::request::GenerateRequest,
+    display: &Display,
     out: &mut dyn std::io::Write,
-) -> Result<(usize, f64, f64, String)> {
+) -> Result<Streamed> {
     use orchid_engine::request::Event;
+    use orchid_server::reasoning_parser::{Piece, ReasoningParser};
+    use std::io::{IsTerminal, Write};
+    let mut parser = if display.parse_reasoning {
+        ReasoningParser::new(display.in_reasoning)
+    } else {
+        ReasoningParser::disabled()
+    };
+    let dim = std::io::stderr().is_terminal();
+    let mut r = Streamed { tokens: 0, first_token_secs: 0.0, secs: 0.0, reasoning: String::new(), content: String::new() };
+    let mut emit = |pieces: Vec<Piece>, r: &mut Streamed| -> Result<()> {
+        for p in pieces {
+            match p {
+                Piece::Content(t) => {
+                    out.write_all(t.as_bytes())?;
+                    out.flush()?;
+                    r.content.push_str(&t);
+                }
+                Piece::Reasoning(t) => {
+                    if display.show_reasoning {
+                        let mut err = std::io::stderr().lock();
+                        if dim {
+                            write!(err, "\x1b[2m{t}\x1b[0m")?;
+                        } else {
+                            err.write_all(t.as_bytes())?;
+                        }
+                        err.flush()?;
+                    }
+                    r.reasoning.push_str(&t);
+                }
+            }
+        }
+        Ok(())
+    };
     let t0 = std::time::Instant::now();
+    let mut first = None;
     let mut rx = loaded.engine.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let (mut n, mut first, mut text) = (0usize, None, String::new());
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             Event::Token { text: t, .. } => {
-                n += 1;
+                r.tokens += 1;
                 first.get_or_insert(t0.elapsed().as_secs_f64());
-                out.write_all(t.as_bytes())?;
-                out.flush()?;
-                text.push_str(&t);
+                emit(parser.push(&t), &mut r)?;
             }
             Event::Finished { text: t, .. } => {
-                out.write_all(t.as_bytes())?;
-                text.push_str(&t);
+                let mut pieces = parser.push(&t);
+                pieces.extend(parser.finish());
+                emit(pieces, &mut r)?;
                 break;
             }
             Event::Error(e) => bail!("generation failed: {e}"),
         }
     }
-    Ok((n, first.unwrap_or(0.0), t0.elapsed().as_secs_f64(), text))
+    if display.show_reasoning && !r.reasoning.is_empty() && !r.reasoning.ends_with('\n') {
+        eprintln!();
+    }
+    r.first_token_secs = first.unwrap_or(0.0);
+    r.secs = t0.elapsed().as_secs_f64();
+    Ok(r)
+}
+
+impl ConversationArgs {
+    /// How to show a turn whose rendered prompt is `prompt`.
+    pub fn display(&self, prompt: &str, raw: bool) -> Display {
+        Display {
+            parse_reasoning: !raw,
+            in_reasoning: !raw && orchid_server::chat_output::prompt_opens_reasoning(prompt),
+            show_reasoning: !self.hide_reasoning,
+        }
+    }
 }

@@ -24,9 +24,10 @@ pub struct EvalArgs {
     /// Prefill chunk size; 1 runs token by token through the decode path.
     #[arg(long, default_value_t = 512)]
     chunk: usize,
-    /// Evaluate independent windows of this many tokens (each from an empty state).
-    #[arg(long)]
-    window: Option<usize>,
+    /// Evaluate independent windows of this many tokens, each from an empty state (the protocol
+    /// of models/orchid-tiny/eval.json); 0 = the whole input as one window.
+    #[arg(long, default_value_t = 512)]
+    window: usize,
     /// Use at most this many tokens.
     #[arg(long)]
     max_tokens: Option<usize>,
@@ -47,39 +48,66 @@ fn read_tokens(path: &Path) -> Result<Vec<u32>> {
         .collect()
 }
 
-/// Logits [T, vocab] for `ids`, run in windows and chunks.
-pub fn teacher_forced<B: Backend>(m: &Model<B>, ids: &[u32], chunk: usize, window: usize) -> Result<Vec<f32>> {
-    let v = m.config.vocab_size;
-    let mut out = Vec::with_capacity(ids.len() * v);
-    let mut state = m.new_state(StateOptions { max_seqs: 1, max_context: window.max(1) })?;
-    for win in ids.chunks(window.max(1)) {
+/// Runs `ids` teacher-forced in independent windows of `window` tokens (prefill chunks of
+/// `chunk`) and hands each window's logits [len, vocab] to `each` with the window's offset.
+/// Logs progress every few seconds on long inputs.
+pub fn teacher_forced<B: Backend>(
+    m: &Model<B>,
+    ids: &[u32],
+    chunk: usize,
+    window: usize,
+    mut each: impl FnMut(usize, &[f32]),
+) -> Result<()> {
+    let (t0, mut last_log) = (std::time::Instant::now(), std::time::Instant::now());
+    let mut state = m.new_state(StateOptions { max_seqs: 1, max_context: window })?;
+    let mut logits = Vec::new();
+    for (wi, win) in ids.chunks(window).enumerate() {
         let slot = state.alloc().context("no state slot")?;
-        for (ci, c) in win.chunks(chunk.max(1)).enumerate() {
-            let batch = BatchLayout::single(slot, ci * chunk.max(1), c.len());
-            let logits = m.forward(c, &batch, &mut state, LogitRows::All)?;
-            out.extend(m.backend.to_host(&logits)?);
+        logits.clear();
+        for (ci, c) in win.chunks(chunk).enumerate() {
+            let batch = BatchLayout::single(slot, ci * chunk, c.len());
+            let l = m.forward(c, &batch, &mut state, LogitRows::All)?;
+            logits.extend(m.backend.to_host(&l)?);
         }
         state.free(slot);
-    }
-    Ok(out)
-}
-
-/// (mean NLL of tokens 1.. given their prefix, argmax per position).
-fn nll_and_argmax(logits: &[f32], ids: &[u32], v: usize, window: usize) -> (f64, usize, Vec<usize>) {
-    let mut nll = 0f64;
-    let mut n = 0usize;
-    let mut arg = Vec::with_capacity(ids.len());
-    for (t, row) in logits.chunks(v).enumerate() {
-        arg.push(orchid_engine::sampling::argmax(row));
-        // The last token of each window has no target inside the window.
-        if t + 1 < ids.len() && (t + 1) % window != 0 {
-            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-            nll += lse - row[ids[t + 1] as usize] as f64;
-            n += 1;
+        each(wi * window, &logits);
+        if last_log.elapsed().as_secs_f64() >= 5.0 {
+            let done = (wi * window + win.len()).min(ids.len());
+            let secs = t0.elapsed().as_secs_f64();
+            tracing::info!("eval: {done} / {} tokens ({:.0} tok/s)", ids.len(), done as f64 / secs);
+            last_log = std::time::Instant::now();
         }
     }
-    (nll / n.max(1) as f64, n, arg)
+    Ok(())
+}
+
+/// Running sum of the NLL of every token predicted inside its window, and the argmax per position.
+#[derive(Default)]
+struct Scores {
+    nll: f64,
+    scored: usize,
+    argmax: Vec<usize>,
+}
+
+impl Scores {
+    /// Adds one window's logits (`rows` [len, v]) whose first token is `ids[offset]`.
+    fn add(&mut self, rows: &[f32], ids: &[u32], offset: usize, v: usize) {
+        let len = rows.len() / v;
+        for (t, row) in rows.chunks(v).enumerate() {
+            self.argmax.push(orchid_engine::sampling::argmax(row));
+            // The last token of each window has no target inside the window.
+            if t + 1 < len {
+                let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+                self.nll += lse - row[ids[offset + t + 1] as usize] as f64;
+                self.scored += 1;
+            }
+        }
+    }
+
+    fn mean_nll(&self) -> f64 {
+        self.nll / self.scored.max(1) as f64
+    }
 }
 
 pub fn run(a: EvalArgs) -> Result<()> {
@@ -108,14 +136,23 @@ pub fn run(a: EvalArgs) -> Result<()> {
 
 fn evaluate<B: Backend>(m: &Model<B>, a: &EvalArgs, ids: &[u32]) -> Result<()> {
     let v = m.config.vocab_size;
-    let window = a.window.unwrap_or(ids.len());
+    let window = if a.window == 0 { ids.len() } else { a.window };
+    let keep_logits = a.dump_logits.is_some() || a.reference.is_some();
+    let mut logits = Vec::with_capacity(if keep_logits { ids.len() * v } else { 0 });
+    let mut scores = Scores::default();
     let t0 = std::time::Instant::now();
-    let logits = teacher_forced(m, ids, a.chunk, window)?;
+    teacher_forced(m, ids, a.chunk.max(1), window, |offset, rows| {
+        scores.add(rows, ids, offset, v);
+        if keep_logits {
+            logits.extend_from_slice(rows);
+        }
+    })?;
     let secs = t0.elapsed().as_secs_f64();
-    let (nll, n, arg) = nll_and_argmax(&logits, ids, v, window);
+    let nll = scores.mean_nll();
     let mut report = json!({
         "tokens": ids.len(),
-        "scored": n,
+        "window": window,
+        "scored": scores.scored,
         "nll": nll,
         "ppl": nll.exp(),
         "device": m.backend.describe(),
@@ -133,8 +170,12 @@ fn evaluate<B: Backend>(m: &Model<B>, a: &EvalArgs, ids: &[u32]) -> Result<()> {
             bail!("{}: logits have shape {:?}, expected [{}, {v}]", r.display(), t.shape, ids.len());
         }
         let refl = t.to_f32()?;
-        let (ref_nll, _, ref_arg) = nll_and_argmax(&refl, ids, v, window);
-        let agree = arg.iter().zip(&ref_arg).filter(|(a, b)| a == b).count();
+        let mut reference = Scores::default();
+        for (wi, rows) in refl.chunks(window * v).enumerate() {
+            reference.add(rows, ids, wi * window, v);
+        }
+        let ref_nll = reference.mean_nll();
+        let agree = scores.argmax.iter().zip(&reference.argmax).filter(|(a, b)| a == b).count();
         let (mut max_err, mut sum_err, mut num, mut den) = (0f64, 0f64, 0f64, 0f64);
         for (x, y) in logits.iter().zip(&refl) {
             let d = (*x as f64 - *y as f64).abs();

@@ -30,7 +30,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     let info = loaded.engine.wait_ready().map_err(anyhow::Error::msg)?;
     let req = a.conv.sampling.request(&dir, loaded.tokenizer.encode(&text, false)?, &loaded.tokenizer);
     let prompt_len = req.prompt.len();
-    let (n, ttft, secs, _) = stream_to(&loaded, req, &mut std::io::stdout().lock())?;
+    let display = a.conv.display(&text, a.raw);
+    let r = stream_to(&loaded, req, &display, &mut std::io::stdout().lock())?;
+    let (n, ttft, secs) = (r.tokens, r.first_token_secs, r.secs);
     println!();
     tracing::info!(
         "{prompt_len} prompt tokens, {n} generated; first token after {:.3}s, {:.1} tok/s decode on {}",

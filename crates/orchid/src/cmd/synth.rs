@@ -39,12 +39,13 @@ pub enum FloatType {
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// A named config (see --list) ...
+    /// A named config (see --list), or ...
     #[arg(long, conflicts_with = "config", required_unless_present_any = ["config", "list"])]
     preset: Option<String>,
-    /// ... or a config.json of your own.
+    /// ... a config.json of your own.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Checkpoint layout.
     #[arg(long, value_enum, default_value_t = Format::Hf)]
     format: Format,
     /// Storage type of unquantized float tensors (and of MLX scales/biases).
@@ -53,17 +54,24 @@ pub struct SynthArgs {
     /// MLX group size.
     #[arg(long, default_value_t = 64)]
     group_size: usize,
+    /// Output folder.
     #[arg(long, required_unless_present = "list")]
     out: Option<PathBuf>,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Copy tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json from here.
+    /// Copy tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json
+    /// from here (default: the family's tokenizer bundled in the repository's assets/, so that the
+    /// checkpoint runs as it is).
     #[arg(long)]
     tokenizer_dir: Option<PathBuf>,
+    /// Write no tokenizer files (a checkpoint for weight-level tests only).
+    #[arg(long, conflicts_with = "tokenizer_dir")]
+    no_tokenizer: bool,
     /// Largest shard, in MB.
     #[arg(long, default_value_t = 4000)]
     shard_mb: usize,
-    /// List the presets.
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// List the presets with their size on disk in each format.
     #[arg(long)]
     list: bool,
 }
@@ -257,10 +265,38 @@ fn quant_scale(fan_in: usize, bits: u32) -> f32 {
     (12.0 / (levels * levels - 1.0) / fan_in as f32).sqrt()
 }
 
+/// The tensor layout of `format` for a config of `family`.
+fn layout(format: Format, family: Family, float: DType, group_size: usize) -> Layout {
+    let qwen35 = family == Family::Qwen35Moe;
+    let mlx = matches!(format, Format::Mlx4 | Format::Mlx8);
+    let bits = if format == Format::Mlx8 { 8 } else { 4 };
+    match (format, qwen35) {
+        (Format::Hf, true) => Layout { base: "model.language_model.", lm_head: "lm_head", mlx, quant: None, fused_experts: true, float },
+        (Format::Hf | Format::HfPerExpert, _) => Layout { base: "model.", lm_head: "lm_head", mlx, quant: None, fused_experts: false, float },
+        (_, true) => Layout { base: "language_model.model.", lm_head: "language_model.lm_head", mlx, quant: Some((bits, group_size)), fused_experts: false, float },
+        (_, false) => Layout { base: "model.", lm_head: "lm_head", mlx, quant: Some((bits, group_size)), fused_experts: false, float },
+    }
+}
+
+/// Bytes of the tensors of `specs`.
+fn tensor_bytes(specs: &[Spec]) -> usize {
+    specs.iter().map(|s| s.shape.iter().product::<usize>() * s.dtype.size()).sum()
+}
+
+/// `--list`: every preset with its size on disk in the bf16 HF layout and in MLX 4- and 8-bit.
+fn list() -> Result<()> {
+    println!("{:<20} {:>10} {:>10} {:>10}", "preset", "hf (bf16)", "mlx4", "mlx8");
+    for name in presets::NAMES {
+        let cfg = ModelConfig::from_json_str(&presets::config(name).context("preset")?.to_string())?;
+        let gb = |f: Format| tensor_bytes(&specs(&cfg, &layout(f, cfg.family, DType::BF16, 64))) as f64 / 1e9;
+        println!("{name:<20} {:>8.2} GB {:>7.2} GB {:>7.2} GB", gb(Format::Hf), gb(Format::Mlx4), gb(Format::Mlx8));
+    }
+    Ok(())
+}
+
 pub fn run(a: SynthArgs) -> Result<()> {
     if a.list {
-        presets::NAMES.iter().for_each(|n| println!("{n}"));
-        return Ok(());
+        return list();
     }
     let mut config: Value = match (&a.preset, &a.config) {
         (Some(p), _) => presets::config(p).with_context(|| format!("unknown preset `{p}` (try --list)"))?,
@@ -270,17 +306,9 @@ pub fn run(a: SynthArgs) -> Result<()> {
     };
     let cfg = ModelConfig::from_json_str(&config.to_string())?;
     let out = a.out.clone().context("--out is required")?;
-    let qwen35 = cfg.family == Family::Qwen35Moe;
     let float = if a.dtype == FloatType::F32 { DType::F32 } else { DType::BF16 };
-    let mlx = matches!(a.format, Format::Mlx4 | Format::Mlx8);
-    let bits = if a.format == Format::Mlx8 { 8 } else { 4 };
-    let layout = match (a.format, qwen35) {
-        (Format::Hf, true) => Layout { base: "model.language_model.", lm_head: "lm_head", mlx, quant: None, fused_experts: true, float },
-        (Format::Hf | Format::HfPerExpert, _) => Layout { base: "model.", lm_head: "lm_head", mlx, quant: None, fused_experts: false, float },
-        (_, true) => Layout { base: "language_model.model.", lm_head: "language_model.lm_head", mlx, quant: Some((bits, a.group_size)), fused_experts: false, float },
-        (_, false) => Layout { base: "model.", lm_head: "lm_head", mlx, quant: Some((bits, a.group_size)), fused_experts: false, float },
-    };
-    if a.format == Format::HfPerExpert && qwen35 {
+    let layout = layout(a.format, cfg.family, float, a.group_size);
+    if a.format == Format::HfPerExpert && cfg.family == Family::Qwen35Moe {
         // transformers' text-only form.
         let mut t = config["text_config"].clone();
         t["architectures"] = json!(["Qwen3_5MoeForCausalLM"]);
@@ -313,9 +341,26 @@ pub fn run(a: SynthArgs) -> Result<()> {
     Ok(())
 }
 
+/// The tokenizer files: from --tokenizer-dir, else the family's bundled tokenizer (when its ids
+/// fit the config's vocabulary), plus a generation_config.json when none was copied.
 fn copy_tokenizer(a: &SynthArgs, out: &std::path::Path, cfg: &ModelConfig) -> Result<()> {
+    let (bundled, tokenizer_vocab, eos) = match cfg.family {
+        Family::Qwen35Moe => ("qwen3.5", 248_077, vec![248046, 248044]),
+        Family::Qwen3Next => ("qwen3", 151_669, vec![151645, 151643]),
+    };
+    let dir = match &a.tokenizer_dir {
+        Some(d) => Some(d.clone()),
+        None if a.no_tokenizer => None,
+        None if cfg.vocab_size < tokenizer_vocab => {
+            eprintln!("note: vocab_size {} is smaller than the {bundled} tokenizer's; no tokenizer written", cfg.vocab_size);
+            None
+        }
+        None => Some(super::common::bundled_asset(bundled).with_context(|| {
+            format!("the bundled {bundled} tokenizer (assets/{bundled}) was not found; give --tokenizer-dir or --no-tokenizer")
+        })?),
+    };
     let mut have_gen = false;
-    if let Some(dir) = &a.tokenizer_dir {
+    if let Some(dir) = dir {
         for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt"] {
             let src = dir.join(f);
             if src.is_file() {
@@ -325,10 +370,6 @@ fn copy_tokenizer(a: &SynthArgs, out: &std::path::Path, cfg: &ModelConfig) -> Re
         }
     }
     if !have_gen {
-        let eos: Vec<u32> = match cfg.family {
-            Family::Qwen35Moe => vec![248046, 248044],
-            Family::Qwen3Next => vec![151645, 151643],
-        };
         let g = json!({ "eos_token_id": eos, "do_sample": true, "temperature": 1.0, "top_p": 0.95, "top_k": 20 });
         std::fs::write(out.join("generation_config.json"), serde_json::to_string_pretty(&g)? + "\n")?;
     }
