@@ -159,11 +159,54 @@ def test_serve_with_no_arguments_answers(orchid, tiny, repo_root):
         client = OpenAI(base_url=base + "/v1", api_key="none")
         models = client.models.list().data
         assert [m.id for m in models] == ["orchid-tiny"]
+        # The README's example, with default settings: the answer is in `content` and ends on
+        # its own (the bundled template turns thinking off unless asked).
         out = client.chat.completions.create(
-            model="orchid-tiny", messages=[{"role": "user", "content": "What does the word 'river' mean?"}],
-            max_tokens=40, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-        assert out.choices[0].message.content.strip()
-        assert out.usage.completion_tokens > 0
+            model="orchid-tiny", messages=[{"role": "user", "content": "Tell me a story."}])
+        msg = out.choices[0].message
+        assert msg.content.strip()
+        assert not (msg.model_extra or {}).get("reasoning_content")
+        assert out.choices[0].finish_reason == "stop"
+        assert 0 < out.usage.completion_tokens <= 500
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_run_prints_the_answer_and_reasoning_apart(orchid, tiny):
+    """`run` with default settings prints the answer on stdout; with --think the reasoning goes
+    to stderr (the model is in its think block for the whole budget) and stdout stays empty."""
+    r = orchid.run("run", "--model", tiny, "--greedy", "--max-tokens", "40", "Tell me a story.")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) >= 10, r.stdout
+    r = orchid.run("run", "--model", tiny, "--think", "--greedy", "--max-tokens", "20", "Tell me a story.")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "", r.stdout
+    assert len(r.stderr.split()) > 5
+    r = orchid.run("run", "--model", tiny, "--think", "--hide-reasoning", "--greedy", "--max-tokens", "20", "Hi")
+    assert r.returncode == 0 and r.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--temperature", "-1", "`temperature` must be between 0 and 2, got -1"),
+    ("--temperature", "5", "`temperature` must be between 0 and 2, got 5"),
+    ("--top-p", "0", "`top_p` must be greater than 0 and at most 1, got 0"),
+    ("--repetition-penalty", "1e-46", "`repetition_penalty` must be greater than 0 and at most 10"),
+    ("--presence-penalty", "3", "`presence_penalty` must be between -2 and 2, got 3"),
+    ("--max-tokens", "0", "0"),
+])
+def test_cli_rejects_out_of_range_sampling_flags(orchid, tiny, flag, value, message):
+    r = orchid.run("run", "--model", tiny, f"{flag}={value}", "hi")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert message in r.stderr, r.stderr
+
+
+def test_eval_default_window_is_the_recorded_protocol(orchid, tiny, repo_root, scratch):
+    """`orchid eval` evaluates independent windows of 512 tokens by default (the protocol of
+    eval.json), so the README's command reproduces the recorded perplexity; here on 3 windows."""
+    heldout = repo_root / "tests/data/heldout.txt"
+    a = orchid.run("eval", "--model", tiny, "--text", heldout, "--max-tokens", "1536")
+    b = orchid.run("eval", "--model", tiny, "--text", heldout, "--max-tokens", "1536", "--window", "512")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ja["window"] == 512 and ja["ppl"] == jb["ppl"] and ja["scored"] == 3 * 511
