@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the orchid-tiny byte-level BPE tokenizer and tokenize the corpus.
 
-Same pipeline as the Qwen3.5 tokenizer (model-spec §5.1): NFC normaliser, the
+Same pipeline as the Qwen3.5 tokenizer (docs/model.md §8.1): NFC normaliser, the
 Qwen3.5 split regex (isolated), GPT-2 byte-level alphabet, no BOS. Only the
 vocabulary is small: --vocab ids in total, the last len(ADDED) of them being
 the Qwen special tokens (so, as in Qwen, regular BPE ids come first).
