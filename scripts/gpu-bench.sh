@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: generates the full-size Qwen3.6-35B-A3B-shaped MLX 4-bit checkpoint
 # in /dev/shm (unless present), checks CUDA against the CPU teacher-forced over 64 positions,
-# and runs `orchid bench` (docs/performance.md protocol). Extra arguments go to `orchid bench`.
+# and runs `orchid bench` (the protocol of docs/status.md). Extra arguments go to `orchid bench`.
 #
 #   scripts/gpu-bench.sh [--lengths 256,4096] [--runs 3] [--long-runs 1]
 #   ORCHID_CHECK_CPU=0 skips the CPU comparison; ORCHID_PDL=0 captures the decode graph without

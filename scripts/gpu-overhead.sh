@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Kernel-overhead diagnostic, one device call (after scripts/gpu-build.sh here; device tool:
-# carry ["dist"]): chains of 263 empty kernels / gemv_q4 matvecs (and variants with the weight
+# Kernel-overhead diagnostic, run on the GPU machine with dist/ built by scripts/gpu-build.sh:
+# chains of 263 empty kernels / gemv_q4 matvecs (and variants with the weight
 # loads or the x staging left out) in CUDA graphs, and one persistent kernel with grid barriers
-# (crates/orchid-cuda/tests/gpu_kernel_overhead.rs). ~30 s on the H200. Log under $OUT; the
-# table is printed last.
+# (crates/orchid-cuda/tests/gpu_kernel_overhead.rs). ~30 s on the H200. Log under the folder OUT
+# (default /tmp/gpu-overhead); the table is printed last.
 #
 #   OUT=/some/dir scripts/gpu-overhead.sh
 set -uo pipefail

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call (after scripts/gpu-build.sh here; device tool: carry ["dist"]): synthesizes the
-# 35B checkpoint in the background while the GPU tests run, then the bench at all ten lengths,
-# then (if time is left) a short A/B without programmatic dependent launch. Everything is written
-# under $OUT (log, bench json, test logs), so partial results come back even on a timeout.
+# Runs on the GPU machine, from a copy of the repository with dist/ built by scripts/gpu-build.sh:
+# synthesizes the 35B checkpoint in the background while the GPU tests run, then the bench at all
+# ten lengths, then (if time is left) a short A/B without programmatic dependent launch, all within
+# the given number of seconds. Everything is written under the folder OUT (log, bench json, test
+# logs) as it is produced, so a run cut short still leaves its partial results there.
 #
 #   OUT=/some/dir scripts/gpu-run.sh [total seconds, default 400]
 #

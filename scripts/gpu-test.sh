@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (after scripts/gpu-build.sh here): every GPU test executable in
-# dist/tests (per-kernel parity, whole-model parity, NVRTC compile), then an end-to-end check
+# Runs on the GPU machine (dist/ built by scripts/gpu-build.sh on a machine with Rust): every GPU
+# test executable in dist/tests (per-kernel parity, whole-model parity, NVRTC compile), then an end-to-end check
 # through real checkpoints (`orchid synth` tiny configs in HF and MLX layouts, CUDA vs CPU
 # teacher-forced), and prints a pass/fail summary. Logs go to $ORCHID_LOG_DIR (default /tmp/orchid-gpu-test).
 #

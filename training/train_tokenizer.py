@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the orchid-tiny byte-level BPE tokenizer and tokenize the corpus.
 
-Same pipeline as the Qwen3.5 tokenizer (model-spec §5.1): NFC normaliser, the
+Same pipeline as the Qwen3.5 tokenizer (docs/model.md §8.1): NFC normaliser, the
 Qwen3.5 split regex (isolated), GPT-2 byte-level alphabet, no BOS. Only the
 vocabulary is small: --vocab ids in total, the last len(ADDED) of them being
 the Qwen special tokens (so, as in Qwen, regular BPE ids come first).
@@ -35,7 +35,7 @@ QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\
 ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
          ("<think>", False), ("</think>", False), ("<tool_call>", False), ("</tool_call>", False),
          ("<tool_response>", False), ("</tool_response>", False)]
-CHAT_TEMPLATE = Path("/work/shared/assets/qwen3.5/chat_template.jinja")
+CHAT_TEMPLATE = REPO / "assets/qwen3.5/chat_template.jinja"
 
 
 def load_docs(path: Path):
@@ -139,8 +139,7 @@ def main():
     tok = build(args.vocab, data / "train.jsonl")
     tok.save(str(tdir / "tokenizer.json"))
     (tdir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(args.vocab), indent=2) + "\n")
-    tmpl = CHAT_TEMPLATE if CHAT_TEMPLATE.exists() else REPO / "shared/assets/qwen3.5/chat_template.jinja"
-    shutil.copy(tmpl, tdir / "chat_template.jinja")
+    shutil.copy(CHAT_TEMPLATE, tdir / "chat_template.jinja")
     print(f"tokenizer trained in {time.time() - t0:.0f}s: {tok.get_vocab_size()} ids", flush=True)
 
     # round-trip checks (decode(encode(x)) == NFC(x))

@@ -1,5 +1,5 @@
 """mlx-lm side of the reference harness: MLX checkpoints written by mlx-lm itself, mlx-lm
-logits in f32, and a numpy model of MLX's affine (de)quantizer (model-spec §2.4) that is
+logits in f32, and a numpy model of MLX's affine (de)quantizer (docs/model.md §7.6) that is
 checked bit for bit against mx.quantize / mx.dequantize.
 """
 
@@ -90,7 +90,7 @@ def mlx_decode_logits(model, tokens: list[int]) -> np.ndarray:
 
 
 def np_unpack(packed: np.ndarray, bits: int, in_features: int) -> np.ndarray:
-    """uint32 words, lowest bits first (model-spec §2.4) -> unsigned ints [..., in_features]."""
+    """uint32 words, lowest bits first (docs/model.md §7.6) -> unsigned ints [..., in_features]."""
     per = 32 // bits
     shifts = (np.arange(per, dtype=np.uint32) * bits)
     q = (packed[..., :, None] >> shifts) & np.uint32((1 << bits) - 1)
@@ -110,7 +110,7 @@ def np_dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bi
 
 
 def np_affine_quantize(w: np.ndarray, bits: int, group_size: int, out_dtype) -> tuple:
-    """MLX's affine quantizer as described in model-spec §2.4 (computed in f32 from w's
+    """MLX's affine quantizer as described in docs/model.md §7.6 (computed in f32 from w's
     values, scale/bias then rounded to out_dtype; q computed with the *unrounded* scale).
     Returns (packed uint32, scales, biases) with scales/biases as float32 arrays holding
     out_dtype-rounded values."""
@@ -150,7 +150,7 @@ def mlx_read_raw(ckpt_dir: Path) -> dict:
 
 
 def mlx_checkpoint_as_hf(case: Case, ckpt_dir: Path, use_numpy: bool = True) -> dict:
-    """Dequantize an MLX checkpoint (numpy dequantizer of model-spec §2.4, cross-checked
+    """Dequantize an MLX checkpoint (numpy dequantizer of docs/model.md §7.6, cross-checked
     against mx.dequantize) and map it back to HF names: norms −1, conv [C,K,1]->[C,1,K],
     switch_mlp -> fused experts. For a transformers run on exactly the MLX weights."""
     import mlx.core as mx
@@ -168,7 +168,7 @@ def mlx_checkpoint_as_hf(case: Case, ckpt_dir: Path, use_numpy: bool = True) -> 
             over = qcfg.get(mod, {}) if isinstance(qcfg.get(mod), dict) else {}
             gs = over.get("group_size", qcfg["group_size"])
             bits = over.get("bits", qcfg["bits"])
-            # bits from shapes must agree with the config (model-spec §2.3)
+            # bits from shapes must agree with the config (docs/model.md §7.5)
             in_f = s.shape[-1] * gs
             assert v.shape[-1] * 32 // in_f == bits, (mod, v.shape, s.shape, gs, bits)
             ref = mx.dequantize(v, s.astype(mx.float32), b.astype(mx.float32), group_size=gs,

@@ -110,7 +110,7 @@ def check_mlx_variant(ws: Workspace, case: Case, bits: int, gs: int) -> list[tup
 
 
 def check_quantizer() -> tuple[bool, str]:
-    """np_affine_quantize (model-spec §2.4) == mx.quantize bit for bit, f32 and bf16 input,
+    """np_affine_quantize (docs/model.md §7.6) == mx.quantize bit for bit, f32 and bf16 input,
     including an all-zero, a constant and a symmetric group."""
     import mlx.core as mx
 
@@ -173,7 +173,7 @@ def selfcheck(ws: Workspace, cases: list[Case], quick: bool = False, mlx: bool =
 
 
 def check_next_interleave(model, case: Case) -> bool:
-    """De-interleave per model-spec §2.2 with numpy and compare with HF's
+    """De-interleave per docs/model.md §7.4 with numpy and compare with HF's
     fix_query_key_value_ordering on a random input."""
     layer = next(l for l in model.model.layers if hasattr(l, "linear_attn")).linear_attn
     x = torch.randn(1, 3, case.hidden, generator=torch.Generator().manual_seed(0))

@@ -446,7 +446,7 @@ def storage_dtype(layout: str, dtype: str, hf_name: str) -> torch.dtype:
     """dtype a tensor is stored with in a checkpoint of this layout.
 
     * official Qwen3.5 (and the wrapper save_pretrained form): A_log and the GDN gated-norm
-      weight stay f32 in a bf16 checkpoint (model-spec §2.1);
+      weight stay f32 in a bf16 checkpoint (docs/model.md §7.2);
     * save_pretrained of a bf16 text model: everything bf16;
     * Qwen3-Next: A_log is bf16 even in an f32 checkpoint of this suite (official file: bf16).
     """

@@ -1,4 +1,4 @@
-//! Gated GQA attention with partial RoPE over a growing KV cache (model-spec §3.5).
+//! Gated GQA attention with partial RoPE over a growing KV cache (docs/model.md §4).
 //!
 //! Shapes: T tokens, Hq query heads and Hkv KV heads of D dims, R = rotary dims (the first R
 //! dims of each head rotate, pairing i with i + R/2).

@@ -1,4 +1,4 @@
-//! Gated DeltaNet core (model-spec §3.6–3.7), fp32 throughout.
+//! Gated DeltaNet core (docs/model.md §5), fp32 throughout.
 //!
 //! Shapes: T tokens, C = 2·Hk·dk + Hv·dv conv channels (q | k | v), K conv taps, Hk key heads
 //! of dk, Hv value heads of dv; value head j reads key head j / (Hv/Hk). State S_j is [dk, dv].

@@ -1,4 +1,4 @@
-//! Sparse MoE (model-spec §3.8): softmax over all experts, top-k, optional renormalisation,
+//! Sparse MoE (docs/model.md §6): softmax over all experts, top-k, optional renormalisation,
 //! SwiGLU experts on the tokens routed to them, shared expert scaled by sigmoid(gate·x).
 
 use orchid_model::config::MoeDims;

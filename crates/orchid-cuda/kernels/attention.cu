@@ -1,4 +1,4 @@
-// Gated GQA attention (model-spec §3.5) over a paged KV cache.
+// Gated GQA attention (docs/model.md §4) over a paged KV cache.
 //
 // Shapes: T query tokens of one sequence at positions start..start+T-1; Hq query heads and Hkv
 // KV heads of D dims, G = Hq/Hkv; R rotary dims (pairs i, i+R/2). KV pool: bf16

@@ -1,4 +1,4 @@
-// Gated DeltaNet (model-spec §3.6–3.7): causal conv, L2 norms and gates, the delta rule on an
+// Gated DeltaNet (docs/model.md §5): causal conv, L2 norms and gates, the delta rule on an
 // fp32 state (chunked for prefill, fused single-token kernel for decode), gated RMSNorm.
 //
 // Shapes: T tokens, C = 2·Hk·dk + Hv·dv conv channels (q | k | v), KC conv taps, value head j
@@ -87,7 +87,7 @@ struct ChunkArgs {
 
 #define CHUNK 64
 
-// The chunked delta rule (model-spec §3.7) in two kernels: gdn_chunk_prep does everything that
+// The chunked delta rule (docs/model.md §5.4) in two kernels: gdn_chunk_prep does everything that
 // does not depend on the state, for all chunks of all heads at once; gdn_chunk_scan walks the
 // chunks in order. Scratch (f32) per value head j and chunk c, at (j·nchunks + c)·E floats,
 // E = 64·(dk + dv + 64 + 1):  W [64][dk] | U [64][dv] | QK [64][64] | γ [64].

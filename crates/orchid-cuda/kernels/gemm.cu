@@ -7,7 +7,7 @@
 // tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4 with BN 32
 // and 64: 8 (rows) x 1, each warp 16 rows x all the tile's tokens, so that each 4-bit fragment is
 // dequantised once per block, not by 4 token warps (instruction issue bounds these kernels: 64 %
-// issue-busy at 12 instructions per mma in the 2 x 4 form, perf log session 4), and a warp
+// issue-busy at 12 instructions per mma in the 2 x 4 form, perf log runs 17-18), and a warp
 // multiplies only the n8 tiles that hold tokens of the tile (MoE tiles are mostly sparse).
 // Every output is the same sequence of mma and scale steps whatever the layout.
 //

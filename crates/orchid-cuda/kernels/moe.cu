@@ -1,4 +1,4 @@
-// MoE routing on the GPU for prefill (model-spec §3.8): per-token softmax top-k, per-expert
+// MoE routing on the GPU for prefill (docs/model.md §6): per-token softmax top-k, per-expert
 // counts, offsets and the tile table of the grouped GEMMs, token lists, and the weighted combine.
 //
 // Shapes: T tokens, E experts (≤ 512), k experts per token. An assignment (t, slot) gets a list

@@ -110,7 +110,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Copies a tensor to the host (row-major f32).
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 
-    /// Gated attention core of one layer (model-spec §3.5): splits query|gate per head,
+    /// Gated attention core of one layer (docs/model.md §4): splits query|gate per head,
     /// q/k RMSNorm, partial RoPE at each token's position, appends K/V to the cache of
     /// attention layer `layer` in each span's slot, causal GQA softmax attention over the
     /// cache, multiplies by sigmoid(gate). Returns [T, Hq·D].
@@ -124,7 +124,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         state: &mut Self::State,
     ) -> Result<Self::Tensor>;
 
-    /// Gated DeltaNet core of one layer (model-spec §3.6–3.7): causal depthwise conv with the
+    /// Gated DeltaNet core of one layer (docs/model.md §5): causal depthwise conv with the
     /// slot's conv state + SiLU, L2-normalised q/k, β = sigmoid(b), g = −exp(A_log)·softplus(a +
     /// dt_bias), the delta-rule recurrence on the fp32 state (chunked for spans longer than
     /// one token), and the gated RMSNorm with SiLU(z). Returns [T, Hv·dv].
@@ -138,7 +138,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         state: &mut Self::State,
     ) -> Result<Self::Tensor>;
 
-    /// The sparse MoE block (model-spec §3.8): softmax router over all experts, top-k,
+    /// The sparse MoE block (docs/model.md §6): softmax router over all experts, top-k,
     /// optional renormalisation, SwiGLU experts, shared expert with a sigmoid gate. [T, H] -> [T, H].
     fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<Self::Tensor>;
 }

@@ -400,7 +400,7 @@ fn rope_of(r: &RawText) -> Result<(f64, f64)> {
         .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
         .and_then(Value::as_str)
         .unwrap_or("default");
-    // Interleaved MRoPE reduces exactly to 1-D RoPE for text-only input (model-spec §3.5).
+    // Interleaved MRoPE reduces exactly to 1-D RoPE for text-only input (docs/model.md §4).
     if !matches!(rope_type, "default" | "mrope") {
         return Err(field(
             "rope_parameters.rope_type",

@@ -1,4 +1,4 @@
-//! MLX affine quantization (model-spec §2.4): groups of `group` consecutive input elements
+//! MLX affine quantization (docs/model.md §7.6): groups of `group` consecutive input elements
 //! share a scale and a bias; `w = scale * q + bias` with unsigned `q` of `bits` bits packed
 //! into little-endian u32 words, lowest bits first. Scales may be negative.
 
@@ -69,7 +69,7 @@ mod tests {
 
     #[test]
     fn documented_bit_order() {
-        // model-spec §2.4: bytes a9 49 9b a6 decode to 9,10,9,4,11,9,6,10.
+        // docs/model.md §7.6: bytes a9 49 9b a6 decode to 9,10,9,4,11,9,6,10.
         let w = u32::from_le_bytes([0xa9, 0x49, 0x9b, 0xa6]);
         let mut out = vec![0f32; 8];
         dequant_row(&[w], &[1.0], &[0.0], 4, 8, &mut out);

@@ -1,6 +1,6 @@
 //! The one name-mapping step: any supported checkpoint layout -> canonical [`HostWeights`].
 //!
-//! Layouts (model-spec §2): HF official (`model.language_model.` prefix, fused stacked
+//! Layouts (docs/model.md §7): HF official (`model.language_model.` prefix, fused stacked
 //! `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I]), HF per expert
 //! (`mlp.experts.{e}.{gate,up,down}_proj.weight`), HF text-only (`model.` prefix), Qwen3-Next
 //! (interleaved `in_proj_qkvz` / `in_proj_ba`), and MLX (`language_model.` prefix, stacked

@@ -21,7 +21,7 @@ enum Command {
     Serve(cmd::serve::ServeArgs),
     /// Teacher-forced perplexity (JSON), logit dumps and comparison with another engine.
     Eval(cmd::eval::EvalArgs),
-    /// Prefill and decode speed on the GPU (docs/performance.md protocol); table or --json.
+    /// Prefill and decode speed on the GPU (docs/status.md protocol); table or --json.
     Bench(cmd::bench::BenchArgs),
     /// Write a random-weight checkpoint of any config (HF or MLX layout).
     Synth(cmd::synth::SynthArgs),

@@ -66,7 +66,7 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-/// Prints a parity line the device script collects, and asserts.
+/// Prints a parity line (collected by scripts/gpu-test.sh), and asserts.
 pub fn report(name: &str, err: f64, tol: f64) {
     let ok = err <= tol;
     println!("PARITY {} {name}: rel_err {err:.3e} (tol {tol:.0e})", if ok { "PASS" } else { "FAIL" });

@@ -11,7 +11,7 @@
 //!   other Python methods come from `minijinja_contrib::pycompat`.
 //! - Tests `sequence` / `iterable` follow jinja2 (strings and dicts are sequences).
 //! - `raise_exception(msg)` fails the render with [`Raised`]; `strftime_now(fmt)` formats the
-//!   current time (UTC; Python uses local time, which is UTC on our machines).
+//!   current time (UTC; Python uses local time, which is the same on a machine set to UTC).
 //!
 //! Known gaps (not used by Qwen templates): the `~` operator and `join` format numbers the
 //! minijinja way (`true`, not `True`); Python `repr` of strings escapes only ASCII/Latin-1

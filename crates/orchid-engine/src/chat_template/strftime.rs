@@ -1,5 +1,5 @@
 //! `strftime_now(format)` for chat templates: C/Python `strftime` of the current time in UTC
-//! (transformers uses local time; our machines run on UTC). The common directives and glibc's
+//! (transformers uses local time: the same on a machine set to UTC). The common directives and glibc's
 //! `%-x` (no padding) are supported; unknown directives are copied as they are.
 
 use std::fmt::Write as _;

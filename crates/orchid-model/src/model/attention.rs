@@ -1,4 +1,4 @@
-//! Gated full attention (model-spec §3.5): q_proj emits [query | gate] per head; q/k RMSNorm,
+//! Gated full attention (docs/model.md §4): q_proj emits [query | gate] per head; q/k RMSNorm,
 //! partial RoPE, causal GQA attention over the KV cache, output × sigmoid(gate), o_proj.
 
 use crate::backend::{AttentionInputs, Backend};

@@ -1,4 +1,4 @@
-//! Gated DeltaNet (model-spec §3.6–3.7): in_proj_qkv / z / b / a, causal conv + SiLU, the
+//! Gated DeltaNet (docs/model.md §5): in_proj_qkv / z / b / a, causal conv + SiLU, the
 //! delta-rule recurrence with decay g and rate β on an fp32 state, gated RMSNorm, out_proj.
 
 use crate::backend::{Backend, DeltaNetInputs};

@@ -1,4 +1,4 @@
-//! `orchid bench`: prefill and decode speed on the GPU, following docs/performance.md: batch 1,
+//! `orchid bench`: prefill and decode speed on the GPU, following the protocol of docs/status.md: batch 1,
 //! greedy, synthetic prompt token i = (i·2654435761 mod 2³²) mod vocab, the ten lengths
 //! 256…131072, prefill tok/s = prompt tokens / time until the first sampled token is on the
 //! host, decode tok/s = 64 further tokens / their time (CUDA-graph decode, one host read per
@@ -19,7 +19,7 @@ use serde_json::json;
 use super::common::{Device, load_cuda, model_dir, resolve_device};
 
 pub const LENGTHS: [usize; 10] = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072];
-/// Measured ceilings of the H200 (docs/performance.md).
+/// Measured ceilings of the H200 (docs/status.md).
 const HBM_BYTES_PER_S: f64 = 4.3e12;
 const BF16_FLOPS: f64 = 790e12;
 

@@ -1,4 +1,4 @@
-//! Configs of the real checkpoints (model-spec §1) and of small test shapes, as config.json text.
+//! Configs of the real checkpoints (docs/model.md §2) and of small test shapes, as config.json text.
 
 use serde_json::{Value, json};
 
