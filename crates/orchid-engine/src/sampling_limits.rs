@@ -33,8 +33,13 @@ impl Limit {
         } else {
             format!("between {} and {}", self.lo, self.hi)
         };
-        Err(format!("`{}` must be {range}, got {x}", self.name))
+        Err(format!("`{}` must be {range}, got {}", self.name, readable(x)))
     }
+}
+
+/// `x` as people write it: 1e-46 rather than 0.000…0001.
+fn readable(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && !(1e-4..1e16).contains(&x.abs()) { format!("{x:e}") } else { format!("{x}") }
 }
 
 #[cfg(test)]
