@@ -6,8 +6,7 @@
 // +128 offset out). A block computes a BM x BN tile (BM = 128 weight rows, BN = 32, 64 or 128
 // tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4 with BN 32
 // and 64: 8 (rows) x 1, each warp 16 rows x all the tile's tokens, so that each 4-bit fragment is
-// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels: 64 %
-// issue-busy at 12 instructions per mma in the 2 x 4 form, perf log session 4), and a warp
+// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels), and a warp
 // multiplies only the n8 tiles that hold tokens of the tile (MoE tiles are mostly sparse).
 // Every output is the same sequence of mma and scale steps whatever the layout.
 //
@@ -48,7 +47,6 @@ struct GemmCfg {
     // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32 and 64:
     // 8 x 1, each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised
     // once per block (and only the n8 tiles that hold tokens are multiplied); the others 2 x 4.
-    // (gemm_body's WNO overrides it: the 64-token 2 x 4 form stays compiled for A/B runs.)
     static constexpr int WN = FMT == FMT_Q4 && BN <= 64 ? 1 : 4;
     // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
     // where the registers allow (BN 32), else per 64-group.
@@ -210,10 +208,10 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
     }
 }
 
-template <int FMT, int BN, bool PAIR, int WNO = 0>
+template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
     using Cfg = GemmCfg<FMT, BN>;
-    constexpr int WN = WNO ? WNO : Cfg::WN;     // warps along the tokens
+    constexpr int WN = Cfg::WN;                 // warps along the tokens
     constexpr int WM = 8 / WN;                  // warps along the rows
     constexpr int MT = BM / 16 / WM;            // m16 tiles per warp
     constexpr int NT = BN / 8 / WN;             // n8 tiles per warp
@@ -403,12 +401,6 @@ DEVI void gemm_body(const GemmArgs& a) {
 // MINB: blocks per SM the registers are bounded for (2 where shared memory allows two).
 #define GEMM_KERNEL(name, FMT, BN, PAIR, MINB) \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR>(a); }
-// The 64-token Q4 tiles with the former 2 x 4 warp layout (A/B: ORCHID_TUNE_GEMM_Q4_N64_WN=4).
-#define GEMM_KERNEL_WN(name, FMT, BN, PAIR, MINB, WN) \
-    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, WN>(a); }
-GEMM_KERNEL_WN(gemm_q4_n64_w4, FMT_Q4, 64, false, 2, 4)
-GEMM_KERNEL_WN(gemm_q4_pair_n64_w4, FMT_Q4, 64, true, 2, 4)
-
 GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false, 2)
 GEMM_KERNEL(gemm_q4_pair_n32, FMT_Q4, 32, true, 2)
 GEMM_KERNEL(gemm_bf16_n32, FMT_BF16, 32, false, 1)

@@ -247,9 +247,7 @@ DEVI TileRef tile_ref(u64 w, u64 sb, i64 row0, int kpad) {
 }
 
 // The ring's 8-byte copy (scale/bias words, through L1: a lane quad shares them): no predicate,
-// and a "memory" clobber. This is the form of the bench of record (perf log run 14); the
-// predicated common.cuh cp_async8 measured 1-1.5% slower here (run 15, within one session's noise
-// of run 14 but kept out of the record).
+// and a "memory" clobber: the ring only requests units that exist (`issue` is called for i < n).
 DEVI void cp_async8_ring(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }

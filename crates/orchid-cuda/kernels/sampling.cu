@@ -13,14 +13,12 @@ struct SampleParams {
 
 struct SampleArgs {
     u64 logits, params, partial, counter;  // partial: float2 per block; counter: u32 (last-block)
-    u64 token_out, tokens_log, pos, step;  // token_out: int (next input); tokens_log: int[] by step; pos/step: int*
-    int vocab, nblocks, log_cap, pad1;
+    u64 token_out, pos, step;              // token_out: int (next input); pos/step: int*
+    int vocab, nblocks;
 };
 
 DEVI void finish_token(const SampleArgs& a, int tok) {
     int* step = (int*)a.step;
-    int s = step ? *step : 0;
-    if (a.tokens_log && s < a.log_cap) ((int*)a.tokens_log)[s] = tok;
     *(int*)a.token_out = tok;
     if (a.pos) *(int*)a.pos += 1;
     if (step) *step += 1;

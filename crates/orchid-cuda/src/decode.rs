@@ -51,16 +51,13 @@ pub struct DecodeGraph {
     token: DevBuf,
     pos: DevBuf,
     step: DevBuf,
-    tokens_log: DevBuf,
     params: DevBuf,
     partial: DevBuf,
     sample_counter: DevBuf,
     greedy: bool,
     vocab: usize,
-    max_steps: usize,
     /// Host mirror of the device position (the next token's position).
     pub pos_host: usize,
-    steps: usize,
     pub kernels_per_step: usize,
     /// Whether the step's kernels are chained by programmatic dependent launch (see `capture`).
     pub pdl: bool,
@@ -85,15 +82,14 @@ fn gemv_groups(c: &Ctx, segs: &[(&GpuLinear, usize)], x: u64, norm: Option<(u64,
 }
 
 impl DecodeGraph {
-    /// Builds the buffers for `slot` and captures one decode step. `max_steps` bounds the
-    /// token log (steps beyond it wrap around).
-    pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize) -> Result<DecodeGraph> {
-        Self::build(model, state, slot, params, max_steps, false)
+    /// Builds the buffers for `slot` and captures one decode step.
+    pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams) -> Result<DecodeGraph> {
+        Self::build(model, state, slot, params, false)
     }
 
     /// Like `new`, with a timing event after every kernel of the step (slightly slower).
-    pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize) -> Result<DecodeGraph> {
-        Self::build(model, state, slot, params, max_steps, true)
+    pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams) -> Result<DecodeGraph> {
+        Self::build(model, state, slot, params, true)
     }
 
     /// Time per kernel name over the last replayed step: (name, launches, ms), largest first.
@@ -101,7 +97,7 @@ impl DecodeGraph {
         crate::driver::profile_summary(&self.prof)
     }
 
-    fn build(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize, profile: bool) -> Result<DecodeGraph> {
+    fn build(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, profile: bool) -> Result<DecodeGraph> {
         let b = &model.backend;
         let ctx = b.ctx.clone();
         let gpu = ctx.gpu.clone();
@@ -143,15 +139,12 @@ impl DecodeGraph {
             token: f32b(1)?,
             pos: f32b(1)?,
             step: f32b(1)?,
-            tokens_log: f32b(max_steps.max(1) + 1)?,
             params: DevBuf::from_slice(&gpu, &[params])?,
             partial: f32b(2 * sp::ARGMAX_BLOCKS)?,
             sample_counter: f32b(1)?,
             greedy,
             vocab: v,
-            max_steps: max_steps.max(1),
             pos_host: 0,
-            steps: 0,
             kernels_per_step: 0,
             pdl: false,
             prof: Vec::new(),
@@ -396,8 +389,7 @@ impl DecodeGraph {
         Ok(n + 1)
     }
 
-    /// Samples from `logits` into the input slot; logs the token at index `step` and advances
-    /// the step counter; `advance_pos` also advances the device position (decode steps).
+    /// Samples from `logits` into the input slot and advances the step counter; `advance_pos` also advances the device position (decode steps).
     fn sample_into(&self, logits: u64, advance_pos: bool) -> Result<()> {
         let a = sp::SampleArgs {
             logits,
@@ -405,13 +397,10 @@ impl DecodeGraph {
             partial: self.partial.ptr,
             counter: self.sample_counter.ptr,
             token_out: self.token.ptr,
-            tokens_log: self.tokens_log.ptr,
             pos: if advance_pos { self.pos.ptr } else { 0 },
             step: self.step.ptr,
             vocab: self.vocab as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
-            log_cap: self.max_steps as i32 + 1,
-            pad1: 0,
         };
         if self.greedy { sp::argmax(&self.ctx, &a) } else { sp::general(&self.ctx, &a) }
     }
@@ -424,7 +413,6 @@ impl DecodeGraph {
         self.step.upload(0, bytemuck::bytes_of(&0i32))?;
         self.sample_into(logits_row, false)?;
         self.pos_host = pos;
-        self.steps = 0;
         self.read_token()
     }
 
@@ -437,10 +425,9 @@ impl DecodeGraph {
         Ok(())
     }
 
-    /// Sets the device step counter: the index at which the next sampled token is logged and
-    /// the counter of the seeded generator (the general sampler draws with (seed, step)), so
-    /// that a caller can key the random stream to the token's index in its output. Does not
-    /// change the host bookkeeping of `tokens()`.
+    /// Sets the device step counter, the counter of the seeded generator (the general sampler
+    /// draws with (seed, step)), so that a caller can key the random stream to the token's index
+    /// in its output.
     pub fn set_step(&mut self, step: usize) -> Result<()> {
         self.ctx.gpu.bind()?;
         self.step.upload(0, bytemuck::bytes_of(&(step.min(i32::MAX as usize) as i32)))
@@ -477,7 +464,6 @@ impl DecodeGraph {
         }
         self.graph.as_ref().expect("captured").launch(&self.ctx.gpu)?;
         self.pos_host += 1;
-        self.steps += 1;
         Ok(())
     }
 
@@ -486,15 +472,6 @@ impl DecodeGraph {
         let mut v = vec![0f32; self.vocab];
         self.logits.download(0, bytemuck::cast_slice_mut(&mut v))?;
         Ok(v)
-    }
-
-    /// Tokens sampled since `start` (the first one from the prefill logits), in order; the log
-    /// keeps the first `max_steps + 1`.
-    pub fn tokens(&self) -> Result<Vec<u32>> {
-        let n = (self.steps + 1).min(self.max_steps + 1);
-        let mut v = vec![0i32; n];
-        self.tokens_log.download(0, bytemuck::cast_slice_mut(&mut v))?;
-        Ok(v.iter().map(|&t| t as u32).collect())
     }
 
     pub fn set_params(&mut self, p: sp::SampleParams) -> Result<()> {

@@ -29,9 +29,6 @@ use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
 use crate::CudaBackend;
 
-/// Capacity of a graph's token log (not used by the engine; the log stops at this many).
-const LOG_STEPS: usize = 16;
-
 struct Cached {
     graph: DecodeGraph,
     params: SampleParams,
@@ -50,11 +47,6 @@ pub struct GraphDecoder {
 impl GraphDecoder {
     pub fn new() -> GraphDecoder {
         GraphDecoder::default()
-    }
-
-    /// Graphs captured so far.
-    pub fn graphs(&self) -> usize {
-        self.graphs.len()
     }
 }
 
@@ -93,7 +85,7 @@ impl FastDecode<CudaBackend> for GraphDecoder {
             }
             None => {
                 let t = std::time::Instant::now();
-                let graph = DecodeGraph::new(model, state, slot, p, LOG_STEPS)?;
+                let graph = DecodeGraph::new(model, state, slot, p)?;
                 tracing::info!(
                     "decode graph for slot {slot} ({}) captured in {:.0} ms: {} kernels per step, pdl {}",
                     if key.1 { "greedy" } else { "sampled" },
@@ -120,7 +112,7 @@ impl FastDecode<CudaBackend> for GraphDecoder {
                 c.graph.set_input(step.token, step.pos)?;
                 c.token = Some(step.token);
             }
-            // The counter only feeds the seeded generator (and the unused token log).
+            // The counter only feeds the seeded generator.
             if !key.1 && c.counter != Some(step.index) {
                 c.counter = None;
                 c.graph.set_step(step.index)?;

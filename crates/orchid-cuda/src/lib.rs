@@ -276,13 +276,10 @@ pub fn sample(b: &CudaBackend, logits: &CudaTensor, params: SampleParams, step: 
         partial: partial.ptr,
         counter: counter.ptr,
         token_out: token.ptr,
-        tokens_log: 0,
         pos: 0,
         step: stepb.ptr,
         vocab: logits.cols as i32,
         nblocks: ops::sampling::ARGMAX_BLOCKS as i32,
-        log_cap: 0,
-        pad1: 0,
     };
     if params.is_greedy() { ops::sampling::argmax(&b.ctx, &a)? } else { ops::sampling::general(&b.ctx, &a)? }
     let mut t = [0i32];

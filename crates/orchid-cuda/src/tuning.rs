@@ -14,8 +14,6 @@ pub struct Tuning {
     pub attn_splits: usize,
     /// Key tiles per split at least in the graph's decode attention (short contexts: fewer splits).
     pub attn_min_tiles: usize,
-    /// Warps along the tokens of the 64-token Q4 prefill GEMM tile: 1 (8 x 1) or 4 (the former 2 x 4).
-    pub gemm_q4_n64_wn: usize,
 }
 
 fn env(name: &str, default: usize) -> usize {
@@ -30,6 +28,5 @@ pub fn get() -> &'static Tuning {
         router_kparts: env("ROUTER_KPARTS", 8).clamp(1, 16),
         attn_splits: env("ATTN_SPLITS", 64).clamp(1, crate::ops::attention::MAX_SPLITS),
         attn_min_tiles: env("ATTN_MIN_TILES", 8).min(4096),
-        gemm_q4_n64_wn: if env("GEMM_Q4_N64_WN", 1) == 4 { 4 } else { 1 },
     })
 }

@@ -32,7 +32,7 @@ fn run(m: &Model<CudaBackend>, ids: &[u32], chunk: usize, decode: usize) -> Run 
         last = Some(l);
     }
     let last = last.unwrap();
-    let mut graph = DecodeGraph::new(m, &mut st, slot, SampleParams::greedy(v), decode + 4).unwrap();
+    let mut graph = DecodeGraph::new(m, &mut st, slot, SampleParams::greedy(v)).unwrap();
     let mut tokens = vec![graph.start(last.row_ptr(last.rows - 1), ids.len()).unwrap()];
     let mut dec = Vec::new();
     for _ in 0..decode {

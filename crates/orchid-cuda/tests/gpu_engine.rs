@@ -295,7 +295,7 @@ fn replay(g: &CudaBackend, case: &Case, prompt: &[u32], common: &[u32], valid: u
     if common.is_empty() {
         return (l_op, None, None);
     }
-    let mut graph = DecodeGraph::new(&m, &mut st, b, SampleParams::greedy(valid), 16).unwrap();
+    let mut graph = DecodeGraph::new(&m, &mut st, b, SampleParams::greedy(valid)).unwrap();
     let mut tok = 0;
     for (j, &t) in common.iter().enumerate() {
         graph.set_input(t, n + j).unwrap();

@@ -90,7 +90,7 @@ fn run_case(g: &CudaBackend, name: &str, cfg: &ModelConfig, fmt: Fmt, prompt: us
     let fl = floor(cfg);
     check(&format!("{name} {fmt:?} prefill {prompt} (chunks of {chunk})"), &gl, &cl, sens, fl, v);
     // Decode, teacher-forced: op-level on slot g0, CUDA graph on slot g1.
-    let mut graph = DecodeGraph::new(&gpu, &mut gs, g1, SampleParams::greedy(v), decode + 4).unwrap();
+    let mut graph = DecodeGraph::new(&gpu, &mut gs, g1, SampleParams::greedy(v)).unwrap();
     let (mut cd, mut bd, mut gd, mut gg) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (i, &tok) in ids[prompt..].iter().enumerate() {
         let p = prompt + i;

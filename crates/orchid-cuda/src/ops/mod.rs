@@ -17,7 +17,7 @@ pub const KERNEL_NAMES: &[(&str, &[&str])] = &[
         "gemm",
         &[
             "gemm_q4_n32", "gemm_q4_pair_n32", "gemm_bf16_n32", "gemm_bf16_pair_n32", "gemm_q4_n64", "gemm_q4_n128", "gemm_q4_pair_n64", "gemm_q4_pair_n128", "gemm_bf16_n64", "gemm_bf16_n128",
-            "gemm_bf16_pair_n64", "gemm_bf16_pair_n128", "gemm_q4_n64_w4", "gemm_q4_pair_n64_w4", "gemm_xprep",
+            "gemm_bf16_pair_n64", "gemm_bf16_pair_n128", "gemm_xprep",
         ],
     ),
     (
@@ -77,9 +77,6 @@ impl Ctx {
         *self.kernels.get(name).unwrap_or_else(|| panic!("kernel {name} is not loaded"))
     }
 
-    pub fn alloc_f32(&self, n: usize) -> Result<DevBuf> {
-        DevBuf::alloc(&self.gpu, n * 4)
-    }
 }
 
 pub mod attention;
@@ -725,12 +722,7 @@ pub fn gemm(
         pad0: 0,
         pad1: 0,
     };
-    let name = format!(
-        "gemm_{}{}_n{bn}{}",
-        if w.fmt == WFormat::Q4 { "q4" } else { "bf16" },
-        if pair { "_pair" } else { "" },
-        if w.fmt == WFormat::Q4 && bn == 64 && crate::tuning::get().gemm_q4_n64_wn == 4 { "_w4" } else { "" }
-    );
+    let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, 1), 256, gemm_smem(w.fmt, bn) as u32, &a)
 }

@@ -24,13 +24,10 @@ pub struct SampleArgs {
     pub partial: u64,
     pub counter: u64,
     pub token_out: u64,
-    pub tokens_log: u64,
     pub pos: u64,
     pub step: u64,
     pub vocab: i32,
     pub nblocks: i32,
-    pub log_cap: i32,
-    pub pad1: i32,
 }
 
 /// Blocks of the greedy argmax (the partial buffer holds this many float2).
@@ -58,6 +55,6 @@ mod tests {
     #[test]
     fn sizes() {
         assert_eq!(std::mem::size_of::<super::SampleParams>(), 32);
-        assert_eq!(std::mem::size_of::<super::SampleArgs>(), 80);
+        assert_eq!(std::mem::size_of::<super::SampleArgs>(), 64);
     }
 }
