@@ -23,18 +23,10 @@
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
 // same row indices; the block writes silu(gate) · up for 64 output rows (C tile rows r and 64 + r).
 
-#define FMT_Q4 0
-#define FMT_BF16 1
 #define BM 128
 #define BK 128
 #define BS_STRIDE (BK + 8)      // bf16 elements per B row in shared memory
 #define AB_STRIDE (BK + 8)      // bf16 elements per A row (BF16 format)
-
-struct GemmArgs {
-    u64 w, sb, w2, sb2, x, xs, x_rows, out, tiles, num_tiles;
-    int M, rows_e, K, kpad;
-    int ldo, T, pad0, pad1;
-};
 
 // Per-kernel sizes. Keep STAGES in step with ops::gemm_stages (crates/orchid-cuda/src/ops/mod.rs).
 // BN 32/64 (Q4) and BN 64 (BF16) stay within 113 KB so that two blocks share an SM.
@@ -67,7 +59,6 @@ static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
 // lane L the float4 at 4L of each, all loads in flight together: reads and writes are contiguous
 // per warp (a thread per 32-column segment read 16 of every 128 bytes and wrote half sectors).
 // grid.x = ceil(rows * kpad / 128 / XP_RUNS / 8) (ops::gemm_x). Needs K % 4 == 0, ldx % 4 == 0.
-#define XP_RUNS 4
 extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __restrict__ x, __nv_bfloat16* __restrict__ xb,
                                                              float* __restrict__ xs, int rows, int ldx, int K, int kpad) {
     const int runs = kpad >> 7, lane = threadIdx.x & 31;

@@ -17,16 +17,13 @@ use orchid_model::model::{Ffn, Mixer};
 use orchid_model::Model;
 
 use crate::driver::{DevBuf, Graph};
-use crate::ops::{self, attention as at, deltanet as dn, sampling as sp, Ctx, MoeDecode, RouteEpi};
+use crate::ops::elementwise::embed;
+use crate::ops::gemv::{gemv, RouteEpi, ROUTER_KPARTS};
+use crate::ops::moe_decode::{can_fuse_route, moe_down, moe_route_up, moe_up, FusedRoute, MoeDecode};
+use crate::ops::{attention as at, deltanet as dn, sampling as sp, Ctx};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::weights::GpuLinear;
 use crate::CudaBackend;
-
-/// Splits of the decode attention inside the graph (fixed: the grid cannot change per step;
-/// `ORCHID_TUNE_ATTN_SPLITS`, see tuning.rs).
-fn graph_splits() -> usize {
-    crate::tuning::get().attn_splits
-}
 
 pub struct DecodeGraph {
     ctx: Arc<Ctx>,
@@ -74,7 +71,7 @@ fn gemv_groups(c: &Ctx, segs: &[(&GpuLinear, usize)], x: u64, norm: Option<(u64,
         while j < segs.len() && j - i < 4 && segs[j].0.fmt == segs[i].0.fmt && segs[j].0.kpad == segs[i].0.kpad {
             j += 1;
         }
-        ops::gemv(c, &segs[i..j], x, 0, 1, norm, out, ldo, acc, None)?;
+        gemv(c, &segs[i..j], x, 0, 1, norm, out, ldo, acc, None)?;
         n += 1;
         i = j;
     }
@@ -125,10 +122,10 @@ impl DecodeGraph {
             proj: f32b(proj_w)?,
             y: f32b(y_w)?,
             qbf: DevBuf::zeros(&gpu, a.num_heads * a.head_dim * 2)?,
-            part_o: f32b(a.num_kv_heads * nz * graph_splits() * 16 * a.head_dim)?,
-            part_ml: f32b(a.num_kv_heads * nz * graph_splits() * 16 * 2)?,
+            part_o: f32b(a.num_kv_heads * nz * ctx.tuning.attn_splits * 16 * a.head_dim)?,
+            part_ml: f32b(a.num_kv_heads * nz * ctx.tuning.attn_splits * 16 * 2)?,
             router_logits: f32b(m.num_experts + 1)?,
-            router_partial: f32b(ops::ROUTER_KPARTS * (m.num_experts + 1))?,
+            router_partial: f32b(ROUTER_KPARTS * (m.num_experts + 1))?,
             route_ids: f32b(m.top_k.max(1))?,
             route_w: f32b(m.top_k + 1)?,
             ones: DevBuf::from_slice(&gpu, &[1.0f32, 1.0])?,
@@ -156,7 +153,7 @@ impl DecodeGraph {
         gpu.synchronize()?;
         // Programmatic dependent launch between the step's kernels (not with the per-kernel
         // timing events of a profiled graph); if the driver refuses it, capture without.
-        let pdl = !profile && crate::driver::pdl_supported(&gpu);
+        let pdl = !profile && ctx.pdl;
         let (graph, launches, prof) = match g.capture(model, state, profile, pdl) {
             Ok(r) => r,
             Err(e) if pdl => {
@@ -204,7 +201,7 @@ impl DecodeGraph {
         let eps = cfg.rms_norm_eps;
         let slot = self.slot;
         let mut n = 0;
-        ops::embed(c, &model.embed_tokens, self.token.ptr, self.x.ptr, 1)?;
+        embed(c, &model.embed_tokens, self.token.ptr, self.x.ptr, 1)?;
         n += 1;
         crate::driver::set_pdl(self.pdl);
         for layer in &model.layers {
@@ -295,8 +292,8 @@ impl DecodeGraph {
                         g: (hq / hkv) as i32,
                         bs: KV_BLOCK as i32,
                         ldg: (hq * qstride) as i32,
-                        nsplit: graph_splits() as i32,
-                        min_tiles: crate::tuning::get().attn_min_tiles as i32,
+                        nsplit: c.tuning.attn_splits as i32,
+                        min_tiles: c.tuning.attn_min_tiles as i32,
                         scale_log2: std::f32::consts::LOG2_E / (dh as f32).sqrt(),
                         ..Default::default()
                     };
@@ -332,7 +329,7 @@ impl DecodeGraph {
                     };
                     // Router and gate/up in one kernel where the layer allows (one kernel and the
                     // router's last-block tail less per MoE layer); else router matvec + moe_up.
-                    let fused = ops::FusedRoute {
+                    let fused = FusedRoute {
                         router: &w.router,
                         shared_gate: shared.map(|(_, sg)| sg),
                         e,
@@ -341,30 +338,30 @@ impl DecodeGraph {
                         barrier: self.barrier.ptr,
                         wts: self.route_w.ptr,
                     };
-                    if ops::can_fuse_route(c, &md2, &fused) {
-                        ops::moe_route_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr, &fused)?;
+                    if can_fuse_route(c, &md2, &fused) {
+                        moe_route_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr, &fused)?;
                         n += 1;
                     } else {
                         match shared {
                             Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
-                                ops::gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
+                                gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
                                 n += 1;
                             }
                             Some((_, sg)) => {
-                                ops::gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
+                                gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
                                 // The partials cover the router rows only; the shared-gate logit is already in place.
-                                ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
+                                gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
                                 n += 2;
                             }
                             None => {
-                                ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
+                                gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
                                 n += 1;
                             }
                         }
-                        ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
+                        moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
                         n += 1;
                     }
-                    ops::moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
+                    moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
                     n += 1;
                 }
                 Ffn::Dense(mlp) => {
@@ -377,13 +374,13 @@ impl DecodeGraph {
                         sh_down: Some(&mlp.down_proj),
                         topk: 0,
                     };
-                    ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
-                    ops::moe_down(c, &md2, self.hbuf.ptr, self.ones.ptr, self.route_ids.ptr, self.x.ptr)?;
+                    moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
+                    moe_down(c, &md2, self.hbuf.ptr, self.ones.ptr, self.route_ids.ptr, self.x.ptr)?;
                     n += 2;
                 }
             }
         }
-        ops::gemv(c, &[(&model.lm_head, 0)], self.x.ptr, 0, 1, Some((model.norm.buf.ptr, eps)), self.logits.ptr, 0, false, None)?;
+        gemv(c, &[(&model.lm_head, 0)], self.x.ptr, 0, 1, Some((model.norm.buf.ptr, eps)), self.logits.ptr, 0, false, None)?;
         n += 1;
         self.sample_into(self.logits.ptr, true)?;
         Ok(n + 1)

@@ -1,4 +1,4 @@
-//! The engine's fast single-sequence decode on CUDA: [`GraphDecoder`] implements
+//! The engine's fast single-sequence decode on CUDA: [`GraphFastDecode`] implements
 //! `orchid_model::FastDecode` with one [`DecodeGraph`] per (state slot, greedy/sampled), captured
 //! on first use and kept for the life of the engine (a slot's state buffers never move, so a
 //! graph stays valid when the slot is freed and handed to the next request).
@@ -24,7 +24,7 @@ use orchid_model::error::{Error, Result};
 use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode};
 use orchid_model::Model;
 
-use crate::decode::DecodeGraph;
+use crate::decode_graph::DecodeGraph;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
 use crate::CudaBackend;
@@ -40,13 +40,13 @@ struct Cached {
 
 /// Cached decode graphs per (slot, greedy); see the module docs.
 #[derive(Default)]
-pub struct GraphDecoder {
+pub struct GraphFastDecode {
     graphs: HashMap<(usize, bool), Cached>,
 }
 
-impl GraphDecoder {
-    pub fn new() -> GraphDecoder {
-        GraphDecoder::default()
+impl GraphFastDecode {
+    pub fn new() -> GraphFastDecode {
+        GraphFastDecode::default()
     }
 }
 
@@ -68,7 +68,7 @@ pub fn sample_params(s: &DeviceSampling) -> SampleParams {
     }
 }
 
-impl FastDecode<CudaBackend> for GraphDecoder {
+impl FastDecode<CudaBackend> for GraphFastDecode {
     fn name(&self) -> &str {
         "cuda graph"
     }
