@@ -28,7 +28,7 @@
 #define BS_STRIDE (BK + 8)      // bf16 elements per B row in shared memory
 #define AB_STRIDE (BK + 8)      // bf16 elements per A row (BF16 format)
 
-// Per-kernel sizes. Keep STAGES in step with ops::gemm_stages (crates/orchid-cuda/src/ops/mod.rs).
+// Per-kernel sizes. Keep STAGES in step with gemm_stages in ops/gemm.rs.
 // BN 32/64 (Q4) and BN 64 (BF16) stay within 113 KB so that two blocks share an SM.
 template <int FMT, int BN>
 struct GemmCfg {
@@ -107,7 +107,7 @@ DEVI u32 word4(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i =
 // and tokens nbase + 8 n (+ 0..7), for the first NL of its NT n8 tiles (the others are left
 // alone). Per 64-group j: acc = Σ over the group's four k16 slices (mma, in k order) of
 // (128 + q) · x, then tot = fma(s, acc, fma(c, x-sum, tot)) with c = bias - 128 s (two fmas per
-// output and group, the decode matvecs' order: unit_q4f in gemv.cu).
+// output and group, the decode matvecs' order: unit_q4f in matvec.cuh).
 // ONCE: the warp's A words (m16 tile mt: 16-byte chunk t4 of rows r and r + 8, whose words 2j,
 // 2j + 1 are group j), scale/bias words (word j: group j) and group sums (n8 tile n: tokens tk,
 // tk + 1) are read once per k-step into A {w0..w3}, SB {group 0, 1}, X {tk g0, tk g1, tk+1 g0,

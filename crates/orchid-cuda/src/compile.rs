@@ -235,3 +235,24 @@ fn compile_uncached(name: &str, full: &str, opts: &[String]) -> Result<Vec<u8>> 
         Ok(cubin)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_file_is_listed_once_with_its_abi() {
+        let mut names: Vec<&str> = KERNEL_FILES.iter().map(|f| f.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), KERNEL_FILES.len());
+        for f in KERNEL_FILES {
+            let src = f.full_source();
+            // Each argument struct is defined once, by the generated ABI (no hand-written copy).
+            for line in src.lines().filter(|l| l.starts_with("struct ") && l.ends_with("Args {")) {
+                assert_eq!(src.matches(line).count(), 1, "{}: {line} defined twice", f.name);
+            }
+            assert!(src.contains(&format!("#line 1 \"{}.cu\"", f.name)));
+        }
+    }
+}

@@ -41,7 +41,7 @@ pub struct DecodeGraph {
     route_w: DevBuf,
     ones: DevBuf,
     counter: DevBuf,
-    /// The fused router's grid barrier {arrived, departed} (kernels/gemv.cu route_phase).
+    /// The fused router's grid barrier {arrived, departed} (kernels/moe_decode.cu route_phase).
     barrier: DevBuf,
     hbuf: DevBuf,
     logits: DevBuf,

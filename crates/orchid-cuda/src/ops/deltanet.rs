@@ -123,7 +123,7 @@ pub fn chunk_cols(dv: usize) -> usize {
     if dv.is_multiple_of(32) { 32 } else { 16 }
 }
 
-/// The longest span one `chunk` call takes (a multiple of CHUNK; exec.rs runs longer spans in
+/// The longest span one `chunk` call takes (a multiple of CHUNK; layers.rs runs longer spans in
 /// pieces), which bounds the scratch.
 pub const CHUNK_SPAN_MAX: usize = 4096;
 

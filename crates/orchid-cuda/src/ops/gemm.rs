@@ -218,6 +218,11 @@ mod tests {
     use super::*;
 
     #[test]
+    fn arg_sizes() {
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 112);
+    }
+
+    #[test]
     fn gemm_variants() {
         assert_eq!(gemm_bn(WFormat::Q4, 4096, None), 64);
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, None), 128);

@@ -95,7 +95,7 @@ pub fn ring_bytes(fmt: WFormat) -> usize {
     8 * RING_SLOTS * if fmt == WFormat::Q4 { 32 * 48 } else { 32 * 32 }
 }
 
-/// Shared-memory bytes of one staged activation row (kernels/gemv.cu x_words): Q4 kernels keep
+/// Shared-memory bytes of one staged activation row (kernels/matvec.cuh x_words): Q4 kernels keep
 /// x in the mma fragment order, 4 x 20 words per 128-k unit; BF16 kernels as a padded row.
 pub fn x_stage_bytes(fmt: WFormat, kpad: usize) -> usize {
     match fmt {
@@ -212,6 +212,12 @@ pub fn gemv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn arg_sizes() {
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 248);
+        assert!(gemv_abi().contains("struct GemvArgs {\n    GemvSeg seg[4];\n"));
+    }
 
     #[test]
     fn ksplit_choice() {

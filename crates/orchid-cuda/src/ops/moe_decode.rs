@@ -108,7 +108,7 @@ impl MoeDecode<'_> {
     }
 }
 
-/// The router of a decode MoE layer, fused into `moe_up` by `moe_route_up` (kernels/gemv.cu
+/// The router of a decode MoE layer, fused into `moe_up` by `moe_route_up` (kernels/moe_decode.cu
 /// route_phase): bf16 router [e rows] and shared-expert gate row, `partial` f32 [kparts][e + 1],
 /// `barrier` two zeroed u32 counters (reset by the kernel itself), `ids` / `wts` the routing for
 /// moe_down.
@@ -233,6 +233,12 @@ pub fn moe_down(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn arg_sizes() {
+        assert_eq!(std::mem::size_of::<MoeUpArgs>(), 200);
+        assert_eq!(std::mem::size_of::<MoeDownArgs>(), 112);
+    }
 
     #[test]
     fn moe_up_split() {
