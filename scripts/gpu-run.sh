@@ -23,7 +23,7 @@ MODEL=/dev/shm/q36
   ( s=$(date +%s); dist/orchid synth --preset qwen3.6-35b-a3b --format mlx4 --out "$MODEL" > /tmp/synth.log 2>&1; echo "synth rc $? in $(( $(date +%s) - s ))s" >> /tmp/synth.log ) &
   SYNTH=$!
   echo "== tests (budget $(( $(left) < 160 ? $(left) : 160 ))s)"
-  ORCHID_E2E="${ORCHID_E2E:-1}" ORCHID_TESTS="${ORCHID_TESTS:-unit gpu_engine gpu_determinism gpu_model gpu_ops}" \
+  ORCHID_E2E="${ORCHID_E2E:-1}" ORCHID_TESTS="${ORCHID_TESTS:-unit gpu_engine gpu_determinism gpu_model gpu_ops gpu_moe_decode}" \
     timeout $(( $(left) < 160 ? $(left) : 160 )) scripts/gpu-test.sh
   echo "tests rc $?"
   grep -h "PARITY FAIL" /tmp/orchid-gpu-test/test-*.log 2>/dev/null | head -20

@@ -6,14 +6,6 @@
 // Query rows are (token, head-in-group) pairs, row = tq*G + hg, so the G heads that share a KV
 // head are processed together and every K/V tile is loaded once for all of them.
 
-struct PrepArgs {
-    u64 qg, k, v, q_norm, k_norm, inv_freq, q_out, kpool, vpool, table, pos_ptr;
-    int T, start, Hq, Hkv;
-    int D, R, BS, ldq;      // ldq: row stride of qg (Hq*D*(1+gate))
-    int qstride, ldk, pad0, pad1;  // qstride: per-head stride inside a qg row (D or 2D)
-    float eps, pad2;
-};
-
 // RoPE factors of a lane at `pos`: for e = lane + 32 i < R (i < 8, D ≤ 256), the cosine and sine
 // of pos · inv_freq[e mod R/2]. They depend on the position only, so decode computes them before
 // waiting for the previous kernel, once for all the rows of a head group.
@@ -104,15 +96,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_prep(const PrepArgs a) {
         prep_kv(a, t, h - a.Hq, pos, rp, buf[warp]);
     }
 }
-
-struct AttnArgs {
-    u64 q, kpool, vpool, table, gate, out, part_o, part_ml, pos_ptr;
-    int T, start, Hq, Hkv;
-    int G, BS, ldg, nsplit;
-    float scale_log2;
-    int min_tiles;  // decode: key tiles per split at least (short contexts use fewer splits)
-    int pad1, pad2;
-};
 
 // One warp's online-softmax update over a KV tile of TK keys in shared memory (row stride D+8).
 // Qs: the warp's 16 query rows (row stride D+8). key0: position of the tile's first key.

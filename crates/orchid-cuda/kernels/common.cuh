@@ -169,10 +169,9 @@ DEVI void pdl_launch() {
 #endif
 }
 // Waits, then releases the successor (so at most two grids are resident: this one and the
-// successor, whose blocks request their weights while this one runs). Releasing before the wait
-// (a three-deep cascade of weight streams) was measured slower: 423 → 414 tok/s at 256 (perf
-// log, run 10). moe_down relies on this order: it reads the router's ids (two kernels back)
-// before its own wait.
+// successor, whose blocks request their weights while this one runs; releasing before the wait
+// would let three weight streams compete). moe_down relies on this order: it reads the router's
+// ids (two kernels back) before its own wait.
 DEVI void pdl_enter() {
     pdl_wait();
     pdl_launch();

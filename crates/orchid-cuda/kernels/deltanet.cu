@@ -6,17 +6,11 @@
 // KC-1 pre-conv rows [KC-1][C] in two buffers; a span starting at position p reads buffer p&1 and
 // writes buffer (p+len)&1, so no kernel overwrites what another block may still read.
 
-struct ConvArgs {
-    u64 x, w, state_in, state_out, out;
-    int T, C, KC, ldx;
-};
-
 // out[t, ch] = silu(Σ_tap w[ch, tap] · window[t + tap]) over [state ; x]; writes the new state
 // (the last KC-1 window rows, also when T < KC-1). A thread takes one channel over CONV_TT
 // consecutive tokens, so each input value and weight is read once per thread (not KC times from
 // KC blocks) and all its loads are in flight together. grid = (ceil(C/256),
 // ceil(max(T, KC-1) / CONV_TT)) (ops/deltanet.rs CONV_TOKENS).
-#define CONV_TT 8
 extern "C" __global__ void __launch_bounds__(256) gdn_conv(const ConvArgs a) {
     const int ch = blockIdx.x * 256 + threadIdx.x, t0 = blockIdx.y * CONV_TT;
     if (ch >= a.C) return;
@@ -51,12 +45,6 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv(const ConvArgs a) {
     for (int t = t0; t < min(KC - 1, t0 + CONV_TT); ++t) ((float*)a.state_out)[(i64)t * C + ch] = win(a.T + t);
 }
 
-struct GdnPrepArgs {
-    u64 x, b, a, a_log, dt_bias, beta, gdec;
-    int T, Hk, Hv, dk;
-    int ldb, lda, C, pad;
-};
-
 // In place on the conv output x [T, C]: L2-normalise q and k per key head, scale q by 1/sqrt(dk);
 // beta[t, j] = sigmoid(b), gdec[t, j] = -exp(A_log)·softplus(a + dt_bias). grid = T, block 128.
 extern "C" __global__ void __launch_bounds__(128) gdn_prep(const GdnPrepArgs p) {
@@ -79,13 +67,6 @@ extern "C" __global__ void __launch_bounds__(128) gdn_prep(const GdnPrepArgs p) 
     }
 }
 
-struct ChunkArgs {
-    u64 x, beta, gdec, state, out, scratch;
-    int T, Hk, Hv, dk;
-    int dv, C, cw, nchunks;
-};
-
-#define CHUNK 64
 
 // The chunked delta rule (docs/model.md §5.4) in two kernels: gdn_chunk_prep does everything that
 // does not depend on the state, for all chunks of all heads at once; gdn_chunk_scan walks the
@@ -428,13 +409,6 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
     for (int i = tid; i < dk * cw; i += 256) S[(i64)(i / cw) * dv + col0 + i % cw] = Ss[(i / cw) * VS + i % cw];
 }
 
-struct GNormArgs {
-    u64 core, z, w, out;
-    int T, Hv, dv, ldz;
-    float eps;
-    int pad0;
-};
-
 // out[t, j·dv + c] = w[c] · core / rms(core over the head) · silu(z). One warp per (t, head).
 extern "C" __global__ void __launch_bounds__(128) gdn_gated_norm(const GNormArgs a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -451,23 +425,12 @@ extern "C" __global__ void __launch_bounds__(128) gdn_gated_norm(const GNormArgs
     for (int c = lane; c < a.dv; c += 32) y[c] = o[c] * inv * ((const float*)a.w)[c] * siluf_(z[c]);
 }
 
-struct GdnDecodeArgs {
-    u64 qkv, z, b, a, conv_w, conv_state, a_log, dt_bias, norm_w, state, out, pos_ptr;
-    int Hk, Hv, dk, dv;
-    int KC, C, pos, pad;
-    float eps, pad1;
-};
-
 // Decode: GDN_NS blocks per value head, each owning dv/GDN_NS state columns (all dk rows). On
 // sm_90+ the GDN_NS blocks of a head form one thread-block cluster (compile-time
 // __cluster_dims__, so plain, PDL and graph-captured launches all get it) and exchange the
 // partial sums of squares of the gated RMSNorm through distributed shared memory. Before sm_90
 // there are no clusters: the kernel writes the pre-norm output and the launcher runs
 // gdn_gated_norm on it in place.
-#define GDN_NS 4        // blocks (cluster size) per value head = ops/deltanet.rs DECODE_SPLIT
-#define GDN_THREADS 256 // = DECODE_THREADS
-#define GDN_MAXR 16     // state rows per thread = DECODE_MAX_ROWS
-#define GDN_NCPT 3      // conv channels per thread: 2·dk + dv/GDN_NS <= GDN_NCPT·GDN_THREADS
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GDN_CLUSTER 1

@@ -6,8 +6,7 @@
 // +128 offset out). A block computes a BM x BN tile (BM = 128 weight rows, BN = 32, 64 or 128
 // tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4 with BN 32
 // and 64: 8 (rows) x 1, each warp 16 rows x all the tile's tokens, so that each 4-bit fragment is
-// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels: 64 %
-// issue-busy at 12 instructions per mma in the 2 x 4 form, perf log runs 17-18), and a warp
+// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels), and a warp
 // multiplies only the n8 tiles that hold tokens of the tile (MoE tiles are mostly sparse).
 // Every output is the same sequence of mma and scale steps whatever the layout.
 //
@@ -24,20 +23,12 @@
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
 // same row indices; the block writes silu(gate) · up for 64 output rows (C tile rows r and 64 + r).
 
-#define FMT_Q4 0
-#define FMT_BF16 1
 #define BM 128
 #define BK 128
 #define BS_STRIDE (BK + 8)      // bf16 elements per B row in shared memory
 #define AB_STRIDE (BK + 8)      // bf16 elements per A row (BF16 format)
 
-struct GemmArgs {
-    u64 w, sb, w2, sb2, x, xs, x_rows, out, tiles, num_tiles;
-    int M, rows_e, K, kpad;
-    int ldo, T, pad0, pad1;
-};
-
-// Per-kernel sizes. Keep STAGES in step with ops::gemm_stages (crates/orchid-cuda/src/ops/mod.rs).
+// Per-kernel sizes. Keep STAGES in step with gemm_stages in ops/gemm.rs.
 // BN 32/64 (Q4) and BN 64 (BF16) stay within 113 KB so that two blocks share an SM.
 template <int FMT, int BN>
 struct GemmCfg {
@@ -48,7 +39,6 @@ struct GemmCfg {
     // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32 and 64:
     // 8 x 1, each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised
     // once per block (and only the n8 tiles that hold tokens are multiplied); the others 2 x 4.
-    // (gemm_body's WNO overrides it: the 64-token 2 x 4 form stays compiled for A/B runs.)
     static constexpr int WN = FMT == FMT_Q4 && BN <= 64 ? 1 : 4;
     // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
     // where the registers allow (BN 32), else per 64-group.
@@ -69,7 +59,6 @@ static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
 // lane L the float4 at 4L of each, all loads in flight together: reads and writes are contiguous
 // per warp (a thread per 32-column segment read 16 of every 128 bytes and wrote half sectors).
 // grid.x = ceil(rows * kpad / 128 / XP_RUNS / 8) (ops::gemm_x). Needs K % 4 == 0, ldx % 4 == 0.
-#define XP_RUNS 4
 extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __restrict__ x, __nv_bfloat16* __restrict__ xb,
                                                              float* __restrict__ xs, int rows, int ldx, int K, int kpad) {
     const int runs = kpad >> 7, lane = threadIdx.x & 31;
@@ -118,7 +107,7 @@ DEVI u32 word4(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i =
 // and tokens nbase + 8 n (+ 0..7), for the first NL of its NT n8 tiles (the others are left
 // alone). Per 64-group j: acc = Σ over the group's four k16 slices (mma, in k order) of
 // (128 + q) · x, then tot = fma(s, acc, fma(c, x-sum, tot)) with c = bias - 128 s (two fmas per
-// output and group, the decode matvecs' order: unit_q4f in gemv.cu).
+// output and group, the decode matvecs' order: unit_q4f in matvec.cuh).
 // ONCE: the warp's A words (m16 tile mt: 16-byte chunk t4 of rows r and r + 8, whose words 2j,
 // 2j + 1 are group j), scale/bias words (word j: group j) and group sums (n8 tile n: tokens tk,
 // tk + 1) are read once per k-step into A {w0..w3}, SB {group 0, 1}, X {tk g0, tk g1, tk+1 g0,
@@ -210,10 +199,10 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
     }
 }
 
-template <int FMT, int BN, bool PAIR, int WNO = 0>
+template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
     using Cfg = GemmCfg<FMT, BN>;
-    constexpr int WN = WNO ? WNO : Cfg::WN;     // warps along the tokens
+    constexpr int WN = Cfg::WN;                 // warps along the tokens
     constexpr int WM = 8 / WN;                  // warps along the rows
     constexpr int MT = BM / 16 / WM;            // m16 tiles per warp
     constexpr int NT = BN / 8 / WN;             // n8 tiles per warp
@@ -403,12 +392,6 @@ DEVI void gemm_body(const GemmArgs& a) {
 // MINB: blocks per SM the registers are bounded for (2 where shared memory allows two).
 #define GEMM_KERNEL(name, FMT, BN, PAIR, MINB) \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR>(a); }
-// The 64-token Q4 tiles with the former 2 x 4 warp layout (A/B: ORCHID_TUNE_GEMM_Q4_N64_WN=4).
-#define GEMM_KERNEL_WN(name, FMT, BN, PAIR, MINB, WN) \
-    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, WN>(a); }
-GEMM_KERNEL_WN(gemm_q4_n64_w4, FMT_Q4, 64, false, 2, 4)
-GEMM_KERNEL_WN(gemm_q4_pair_n64_w4, FMT_Q4, 64, true, 2, 4)
-
 GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false, 2)
 GEMM_KERNEL(gemm_q4_pair_n32, FMT_Q4, 32, true, 2)
 GEMM_KERNEL(gemm_bf16_n32, FMT_BF16, 32, false, 1)

@@ -29,12 +29,6 @@ DEVI void warp_topk(const float* logits, int E, int topk, int renorm, int* ids, 
     }
 }
 
-struct TopkArgs {
-    u64 logits, ids, wts, counts;
-    int T, E, topk, renorm;
-    int ldl, pad0, pad1, pad2;
-};
-
 // grid = ceil(T/4), block 128: one warp per token.
 extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
     const int t = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -45,11 +39,6 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
     __syncwarp();
     if (lane < a.topk) atomicAdd((int*)a.counts + ids[lane], 1);
 }
-
-struct ScanArgs {
-    u64 counts, offsets, cursor, tiles, num_tiles;
-    int E, bn, pad0, pad1;
-};
 
 // One block of 1024 threads: offsets = exclusive scan of counts, cursor = offsets, and the
 // grouped-GEMM tile table {expert, first position, count, 0}.
@@ -77,11 +66,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
     }
     if (e == 1023) *(int*)a.num_tiles = st[1023];
 }
-
-struct ScatterArgs {
-    u64 ids, cursor, assign_tok, slot_pos;
-    int T, topk, pad0, pad1;
-};
 
 // Stable scatter: one block per expert walks all assignments in order, so the list of an expert
 // holds its tokens in ascending (token, slot) order on every run (no atomics: the grouped GEMMs
@@ -114,11 +98,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs 
         __syncthreads();
     }
 }
-
-struct CombineArgs {
-    u64 y, wts, slot_pos, shared, shared_gate, out;
-    int T, H, topk, ld_sg;
-};
 
 // out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :].
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs a) {

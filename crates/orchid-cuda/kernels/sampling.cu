@@ -4,23 +4,8 @@
 //
 // Shapes: logits [vocab] f32 (one row); ids ≥ `valid` are never chosen.
 
-struct SampleParams {
-    float temperature, top_p, min_p;
-    int top_k;
-    u64 seed;
-    int valid, pad;
-};
-
-struct SampleArgs {
-    u64 logits, params, partial, counter;  // partial: float2 per block; counter: u32 (last-block)
-    u64 token_out, tokens_log, pos, step;  // token_out: int (next input); tokens_log: int[] by step; pos/step: int*
-    int vocab, nblocks, log_cap, pad1;
-};
-
 DEVI void finish_token(const SampleArgs& a, int tok) {
     int* step = (int*)a.step;
-    int s = step ? *step : 0;
-    if (a.tokens_log && s < a.log_cap) ((int*)a.tokens_log)[s] = tok;
     *(int*)a.token_out = tok;
     if (a.pos) *(int*)a.pos += 1;
     if (step) *step += 1;
@@ -74,8 +59,6 @@ extern "C" __global__ void __launch_bounds__(256) sample_argmax(const SampleArgs
         *(unsigned*)a.counter = 0u;
     }
 }
-
-#define SB 1024
 
 // General sampling, one block of 1024 threads (see the file comment). Exact selection with radix
 // passes over order-preserving float keys; masses in 2^-40 fixed point so sums are deterministic.

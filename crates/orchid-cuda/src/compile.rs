@@ -1,8 +1,7 @@
 //! Kernel sources (embedded with `include_str!`) compiled with NVRTC for the GPU found, to a
 //! cubin (sm_90a on Hopper, so that Hopper-only instructions are available), cached on disk.
 //!
-//! Cache key: FNV-1a of (source, target, NVRTC version, options). Folder: $ORCHID_KERNEL_CACHE,
-//! else $XDG_CACHE_HOME/orchid/kernels, else ~/.cache/orchid/kernels, else a temp folder.
+//! Cache key: FNV-1a of (source, target, NVRTC version, options); folder: `CudaOptions::kernel_cache`.
 
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
@@ -10,18 +9,108 @@ use std::path::PathBuf;
 use cudarc::nvrtc::sys as nv;
 use orchid_model::error::{Error, Result};
 
+use crate::ops::{attention, deltanet, gemm, gemv, moe, moe_decode, sampling};
+use crate::options::CudaOptions;
+use crate::weights::format_abi;
+
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
-/// The kernel families: (file stem, source).
-pub const SOURCES: &[(&str, &str)] = &[
-    ("elementwise", include_str!("../kernels/elementwise.cu")),
-    ("gemv", include_str!("../kernels/gemv.cu")),
-    ("gemm", include_str!("../kernels/gemm.cu")),
-    ("attention", include_str!("../kernels/attention.cu")),
-    ("deltanet", include_str!("../kernels/deltanet.cu")),
-    ("moe", include_str!("../kernels/moe.cu")),
-    ("sampling", include_str!("../kernels/sampling.cu")),
+/// One kernel file: `kernels/{name}.cu`, launched by `ops/{name}.rs`.
+pub struct KernelFile {
+    pub name: &'static str,
+    /// The CUDA definitions of the argument structs and constants it uses (`crate::abi`).
+    pub abi: &'static [fn() -> String],
+    /// Headers it includes after common.cuh: (file name, source).
+    pub headers: &'static [(&'static str, &'static str)],
+    pub source: &'static str,
+    /// Its `extern "C"` kernels.
+    pub kernels: &'static [&'static str],
+}
+
+const MATVEC: (&str, &str) = ("matvec.cuh", include_str!("../kernels/matvec.cuh"));
+
+/// Every kernel file, compiled in parallel at start (`ops::Ctx::new`).
+pub const KERNEL_FILES: &[KernelFile] = &[
+    KernelFile {
+        name: "elementwise",
+        abi: &[],
+        headers: &[],
+        source: include_str!("../kernels/elementwise.cu"),
+        kernels: &["rms_norm", "add_rms_norm", "add_assign", "silu_mul", "gather_rows", "embed_q4", "embed_bf16"],
+    },
+    KernelFile {
+        name: "gemv",
+        abi: &[format_abi, gemv::matvec_abi, gemv::gemv_abi],
+        headers: &[MATVEC],
+        source: include_str!("../kernels/gemv.cu"),
+        kernels: &["gemv_q4", "gemv_bf16", "gemv_q4_stream", "gemv_bf16_stream"],
+    },
+    KernelFile {
+        name: "moe_decode",
+        abi: &[format_abi, gemv::matvec_abi, moe_decode::moe_decode_abi],
+        headers: &[MATVEC],
+        source: include_str!("../kernels/moe_decode.cu"),
+        kernels: &["moe_up_q4", "moe_up_bf16", "moe_route_up_q4", "moe_down_q4", "moe_down_bf16"],
+    },
+    KernelFile {
+        name: "gemm",
+        abi: &[format_abi, gemm::gemm_abi],
+        headers: &[],
+        source: include_str!("../kernels/gemm.cu"),
+        kernels: &[
+            "gemm_q4_n32", "gemm_q4_pair_n32", "gemm_bf16_n32", "gemm_bf16_pair_n32", "gemm_q4_n64", "gemm_q4_n128", "gemm_q4_pair_n64",
+            "gemm_q4_pair_n128", "gemm_bf16_n64", "gemm_bf16_n128", "gemm_bf16_pair_n64", "gemm_bf16_pair_n128", "gemm_xprep",
+        ],
+    },
+    KernelFile {
+        name: "attention",
+        abi: &[attention::attention_abi],
+        headers: &[],
+        source: include_str!("../kernels/attention.cu"),
+        kernels: &[
+            "attn_prep", "attn_combine", "attn_prefill_d32", "attn_decode_d32", "attn_prefill_d64", "attn_decode_d64", "attn_prefill_d128",
+            "attn_decode_d128", "attn_prefill_d256", "attn_decode_d256",
+        ],
+    },
+    KernelFile {
+        name: "deltanet",
+        abi: &[deltanet::deltanet_abi],
+        headers: &[],
+        source: include_str!("../kernels/deltanet.cu"),
+        kernels: &["gdn_conv", "gdn_prep", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm", "gdn_decode"],
+    },
+    KernelFile {
+        name: "moe",
+        abi: &[moe::moe_abi],
+        headers: &[],
+        source: include_str!("../kernels/moe.cu"),
+        kernels: &["moe_topk", "moe_scan", "moe_scatter", "moe_combine"],
+    },
+    KernelFile {
+        name: "sampling",
+        abi: &[sampling::sampling_abi],
+        headers: &[],
+        source: include_str!("../kernels/sampling.cu"),
+        kernels: &["sample_argmax", "sample_general"],
+    },
 ];
+
+impl KernelFile {
+    /// The text NVRTC compiles: common.cuh, the generated ABI (the structs and constants the
+    /// file uses), the headers, the file; `#line` marks keep error positions
+    /// in file terms.
+    pub fn full_source(&self) -> String {
+        let mut s = format!("#line 1 \"common.cuh\"\n{COMMON}\n// Generated from the Rust definitions (crate::abi).\n#line 1 \"abi.cuh\"\n");
+        for abi in self.abi {
+            s += &abi();
+        }
+        for (name, src) in self.headers {
+            s += &format!("#line 1 \"{name}\"\n{src}\n");
+        }
+        s += &format!("#line 1 \"{}.cu\"\n{}", self.name, self.source);
+        s
+    }
+}
 
 fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf29ce484222325;
@@ -54,13 +143,55 @@ pub fn target_for(cc: (i32, i32)) -> String {
     if cc == (9, 0) { "sm_90a".to_string() } else { format!("sm_{}{}", cc.0, cc.1) }
 }
 
-/// Include folders holding cuda_bf16.h (and cccl).
-pub fn include_dirs() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(p) = std::env::var("ORCHID_CUDA_INCLUDE") {
-        out.extend(std::env::split_paths(&p));
+/// NVRTC with the header folders and the cache folder of a [`CudaOptions`].
+pub struct Compiler {
+    includes: Vec<PathBuf>,
+    cache: Option<PathBuf>,
+}
+
+impl Compiler {
+    pub fn new(opts: &CudaOptions) -> Compiler {
+        Compiler { includes: include_dirs(opts), cache: opts.kernel_cache.clone() }
     }
-    for root in crate::driver::cuda_roots() {
+
+    /// Whether the CUDA headers (cuda_bf16.h) were found.
+    pub fn has_headers(&self) -> bool {
+        !self.includes.is_empty()
+    }
+
+    /// Compiles `file` to a cubin for `target`, or returns the cached cubin.
+    pub fn compile(&self, file: &KernelFile, target: &str) -> Result<Vec<u8>> {
+        let name = file.name;
+        let mut opts = vec![format!("--gpu-architecture={target}"), "--std=c++17".to_string(), "-default-device".to_string(), "-lineinfo".to_string()];
+        for i in &self.includes {
+            opts.push(format!("--include-path={}", i.display()));
+        }
+        let full = file.full_source();
+        let ver = nvrtc_version()?;
+        let key = fnv1a(&[full.as_bytes(), target.as_bytes(), format!("{ver:?}").as_bytes(), opts[..4].join(" ").as_bytes()]);
+        let path = self.cache.as_ref().map(|d| d.join(format!("{name}-{target}-{key:016x}.cubin")));
+        if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()).filter(|b| !b.is_empty()) {
+            return Ok(bytes);
+        }
+        let t0 = std::time::Instant::now();
+        let cubin = compile_uncached(name, &full, &opts)?;
+        tracing::debug!("compiled {name}.cu for {target} in {:.1}s", t0.elapsed().as_secs_f64());
+        if let (Some(dir), Some(path)) = (&self.cache, &path)
+            && std::fs::create_dir_all(dir).is_ok()
+        {
+            let tmp = dir.join(format!(".{name}-{key:016x}.{}.tmp", std::process::id()));
+            if std::fs::write(&tmp, &cubin).is_ok() {
+                let _ = std::fs::rename(&tmp, path);
+            }
+        }
+        Ok(cubin)
+    }
+}
+
+/// Include folders holding cuda_bf16.h (and cccl): the options' own, then each CUDA root's.
+pub fn include_dirs(opts: &CudaOptions) -> Vec<PathBuf> {
+    let mut out = opts.include_dirs.clone();
+    for root in &opts.cuda_roots {
         let inc = root.join("include");
         if inc.join("cuda_bf16.h").is_file() {
             out.push(inc.clone());
@@ -70,49 +201,6 @@ pub fn include_dirs() -> Vec<PathBuf> {
         }
     }
     out
-}
-
-fn cache_dir() -> PathBuf {
-    if let Ok(p) = std::env::var("ORCHID_KERNEL_CACHE") {
-        return PathBuf::from(p);
-    }
-    if let Ok(p) = std::env::var("XDG_CACHE_HOME") {
-        return PathBuf::from(p).join("orchid/kernels");
-    }
-    if let Ok(p) = std::env::var("HOME") {
-        return PathBuf::from(p).join(".cache/orchid/kernels");
-    }
-    std::env::temp_dir().join("orchid-kernels")
-}
-
-/// Compiles `src` (with the common header prepended) to a cubin for `target`, or returns the
-/// cached cubin.
-pub fn compile(name: &str, src: &str, target: &str) -> Result<Vec<u8>> {
-    let incs = include_dirs();
-    let mut opts = vec![format!("--gpu-architecture={target}"), "--std=c++17".to_string(), "-default-device".to_string(), "-lineinfo".to_string()];
-    for i in &incs {
-        opts.push(format!("--include-path={}", i.display()));
-    }
-    let full = format!("{COMMON}\n#line 1 \"{name}.cu\"\n{src}");
-    let ver = nvrtc_version()?;
-    let key = fnv1a(&[full.as_bytes(), target.as_bytes(), format!("{ver:?}").as_bytes(), opts[..4].join(" ").as_bytes()]);
-    let dir = cache_dir();
-    let path = dir.join(format!("{name}-{target}-{key:016x}.cubin"));
-    if let Ok(bytes) = std::fs::read(&path) {
-        if !bytes.is_empty() {
-            return Ok(bytes);
-        }
-    }
-    let t0 = std::time::Instant::now();
-    let cubin = compile_uncached(name, &full, &opts)?;
-    tracing::debug!("compiled {name}.cu for {target} in {:.1}s", t0.elapsed().as_secs_f64());
-    if std::fs::create_dir_all(&dir).is_ok() {
-        let tmp = dir.join(format!(".{name}-{key:016x}.{}.tmp", std::process::id()));
-        if std::fs::write(&tmp, &cubin).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
-        }
-    }
-    Ok(cubin)
 }
 
 fn compile_uncached(name: &str, full: &str, opts: &[String]) -> Result<Vec<u8>> {
@@ -145,5 +233,26 @@ fn compile_uncached(name: &str, full: &str, opts: &[String]) -> Result<Vec<u8>> 
         nv::nvrtcDestroyProgram(&mut prog);
         nvrtc_check(r, "nvrtcGetCUBIN")?;
         Ok(cubin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_file_is_listed_once_with_its_abi() {
+        let mut names: Vec<&str> = KERNEL_FILES.iter().map(|f| f.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), KERNEL_FILES.len());
+        for f in KERNEL_FILES {
+            let src = f.full_source();
+            // Each argument struct is defined once, by the generated ABI (no hand-written copy).
+            for line in src.lines().filter(|l| l.starts_with("struct ") && l.ends_with("Args {")) {
+                assert_eq!(src.matches(line).count(), 1, "{}: {line} defined twice", f.name);
+            }
+            assert!(src.contains(&format!("#line 1 \"{}.cu\"", f.name)));
+        }
     }
 }

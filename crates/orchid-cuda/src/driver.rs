@@ -11,6 +11,8 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use orchid_model::error::{Error, Result};
 
+use crate::options::CudaOptions;
+
 pub type DevPtr = sys::CUdeviceptr;
 
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
@@ -26,28 +28,16 @@ pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
     Err(Error::Backend(format!("cuda: {what}: {n}")))
 }
 
-/// Where the CUDA toolkit may live on this machine (for NVRTC and its headers).
-pub fn cuda_roots() -> Vec<std::path::PathBuf> {
-    let mut v = Vec::new();
-    for var in ["ORCHID_CUDA_HOME", "CUDA_HOME", "CUDA_PATH"] {
-        if let Ok(p) = std::env::var(var) {
-            v.push(std::path::PathBuf::from(p));
-        }
-    }
-    v.push("/usr/local/cuda".into());
-    v
-}
-
 /// Makes NVRTC loadable when it lives in the toolkit folder rather than the loader's path: the
 /// library is opened once by its full path, so that cudarc's later open by name finds it.
-fn preload_nvrtc() {
+fn preload_nvrtc(roots: &[std::path::PathBuf]) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: probing only opens the library.
         if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return;
         }
-        for root in cuda_roots() {
+        for root in roots {
             for lib in ["lib64/libnvrtc.so.13", "lib64/libnvrtc.so.12", "lib64/libnvrtc.so", "lib/libnvrtc.so.13"] {
                 let p = root.join(lib);
                 if p.is_file() {
@@ -70,8 +60,9 @@ unsafe extern "C" {
     fn dlopen(filename: *const std::ffi::c_char, flag: i32) -> *mut c_void;
 }
 
-/// Why CUDA cannot be used here, or None when a usable GPU is present.
-pub fn probe() -> std::result::Result<(), String> {
+/// Why CUDA cannot be used here, or Ok when a usable GPU is present (NVRTC is also looked for
+/// under `opts.cuda_roots`).
+pub fn probe(opts: &CudaOptions) -> std::result::Result<(), String> {
     // SAFETY: opening the driver library is side-effect free.
     if !unsafe { sys::is_culib_present() } {
         return Err("the CUDA driver library (libcuda.so) was not found: no NVIDIA driver on this machine".into());
@@ -86,7 +77,7 @@ pub fn probe() -> std::result::Result<(), String> {
             return Err("no CUDA device found".into());
         }
     }
-    preload_nvrtc();
+    preload_nvrtc(&opts.cuda_roots);
     // SAFETY: probing only opens the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err("NVRTC (libnvrtc.so) was not found: set LD_LIBRARY_PATH to the CUDA toolkit's lib64 (e.g. /usr/local/cuda/lib64)".into());
@@ -94,9 +85,9 @@ pub fn probe() -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// True when `probe` succeeds (used by `--device auto` and by the GPU tests to skip).
-pub fn available() -> bool {
-    probe().is_ok()
+/// True when `probe` succeeds (used by `--device auto`).
+pub fn available(opts: &CudaOptions) -> bool {
+    probe(opts).is_ok()
 }
 
 /// Device memory accounting: bytes currently allocated through this crate, and the peak.
@@ -117,6 +108,8 @@ pub struct Gpu {
     pub total_mem: usize,
     pub max_smem_optin: i32,
     pub mem: MemStats,
+    /// Synchronise after every launch outside a capture (`CudaOptions::sync_check`).
+    pub sync_check: bool,
 }
 
 // SAFETY: CUDA driver handles may be used from any thread once the context is made current on
@@ -125,8 +118,8 @@ unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
 
 impl Gpu {
-    pub fn new(ordinal: i32) -> Result<Arc<Gpu>> {
-        probe().map_err(Error::Backend)?;
+    pub fn new(ordinal: i32, opts: &CudaOptions) -> Result<Arc<Gpu>> {
+        probe(opts).map_err(Error::Backend)?;
         // SAFETY: the driver is loaded and initialised (probe); every out-pointer is valid.
         unsafe {
             let mut dev = 0;
@@ -161,7 +154,7 @@ impl Gpu {
             if cc.0 < 8 {
                 return Err(Error::Backend(format!("{name} has compute capability {}.{}; orchid needs 8.0 or newer (bf16 tensor cores)", cc.0, cc.1)));
             }
-            Ok(Arc::new(Gpu { ctx, dev, stream, name, cc, sms, total_mem, max_smem_optin, mem: MemStats::default() }))
+            Ok(Arc::new(Gpu { ctx, dev, stream, name, cc, sms, total_mem, max_smem_optin, mem: MemStats::default(), sync_check: opts.sync_check }))
         }
     }
 
@@ -344,17 +337,6 @@ pub fn set_pdl(on: bool) {
     PDL.with(|p| p.set(on));
 }
 
-/// Whether programmatic dependent launch is wanted: compute capability 9.0 or newer and
-/// `ORCHID_PDL` not `0`.
-pub fn pdl_supported(gpu: &Gpu) -> bool {
-    gpu.cc.0 >= 9 && std::env::var("ORCHID_PDL").map_or(true, |v| v != "0")
-}
-
-fn sync_check() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("ORCHID_SYNC_CHECK").is_ok_and(|v| v != "0"))
-}
-
 /// A loaded kernel.
 #[derive(Clone, Copy)]
 pub struct Kernel {
@@ -425,8 +407,8 @@ impl Kernel {
                 v.push((self.name, ev));
             });
         }
-        if sync_check() && !CAPTURING.with(|c| c.get()) {
-            // Debug mode (ORCHID_SYNC_CHECK=1): wait for every kernel so a fault names its kernel.
+        if gpu.sync_check && !CAPTURING.with(|c| c.get()) {
+            // Debug mode (`CudaOptions::sync_check`): wait for every kernel so a fault names it.
             // SAFETY: live stream.
             check(unsafe { sys::cuStreamSynchronize(gpu.stream) }, self.name)?;
         }

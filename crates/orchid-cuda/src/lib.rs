@@ -1,24 +1,30 @@
 //! orchid-cuda: the CUDA backend. Kernels are CUDA C++ in `kernels/*.cu` (one op family per
 //! file), compiled at run time with NVRTC for the GPU found and cached on disk; the CUDA
 //! libraries are opened at run time, so this crate builds and its tests pass on machines
-//! without CUDA (the GPU tests print "skipped: no GPU").
+//! without CUDA (the GPU tests are `#[ignore]`d: the GPU scripts run them with `--ignored`).
 //!
 //! Activations are f32 row-major device tensors; matrix products use bf16 tensor-core operands
 //! with f32 accumulation (weights stay 4-bit in memory, see `weights`). The op-level [`Backend`]
-//! implementation serves prefill and any batch; [`decode::DecodeGraph`] is the fast single-token
-//! path: one CUDA graph per step, fused kernels, the sampled token written on the GPU into the
-//! next step's input; [`GraphDecoder`] offers it to the engine (`orchid_model::FastDecode`) for
-//! single-sequence decoding.
+//! implementation serves prefill and any batch (`layers`: attention, DeltaNet and MoE blocks);
+//! [`DecodeGraph`] is the fast single-token path: one CUDA graph per step, fused kernels, the
+//! sampled token written on the GPU into the next step's input; [`GraphFastDecode`] offers it to
+//! the engine (`orchid_model::FastDecode`) for single-sequence decoding.
+//!
+//! Kernels and launchers share names: `kernels/X.cu` is launched by `ops/X.rs`; the argument
+//! structs and shared constants are defined once in Rust and emitted into the CUDA source
+//! ([`abi`]). What the backend is told (tuning, programmatic dependent launch, sync checks,
+//! paths) comes in a [`CudaOptions`]; the library reads no environment variables.
 
+pub mod abi;
 pub mod bf16ref;
 pub mod compile;
-pub mod decode;
+pub mod decode_graph;
 pub mod driver;
-pub mod exec;
-pub mod graph_decoder;
+pub mod fast_decode;
+pub mod layers;
 pub mod ops;
+pub mod options;
 pub mod state;
-pub mod tuning;
 pub mod weights;
 
 use std::collections::HashMap;
@@ -31,9 +37,10 @@ use orchid_model::error::{Error, Result};
 use orchid_model::linear::LinearWeight;
 use orchid_model::weights::HostMlp;
 
-pub use decode::DecodeGraph;
+pub use decode_graph::DecodeGraph;
 pub use driver::{available, probe};
-pub use graph_decoder::GraphDecoder;
+pub use fast_decode::GraphFastDecode;
+pub use options::{CudaOptions, Tuning};
 pub use ops::sampling::SampleParams;
 pub use state::CudaState;
 pub use weights::{GpuExperts, GpuLinear, GpuVec};
@@ -62,14 +69,17 @@ impl CudaTensor {
 #[derive(Clone)]
 pub struct CudaBackend {
     pub ctx: Arc<Ctx>,
-    rope: Arc<Mutex<HashMap<(u64, usize), Arc<DevBuf>>>>,
+    rope: Arc<Mutex<RopeTables>>,
 }
+
+/// RoPE inverse-frequency tables by (theta bits, rotary dims).
+type RopeTables = HashMap<(u64, usize), Arc<DevBuf>>;
 
 impl CudaBackend {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels.
-    pub fn new(ordinal: i32) -> Result<CudaBackend> {
-        let gpu = Gpu::new(ordinal)?;
-        let ctx = Ctx::new(gpu)?;
+    pub fn new(ordinal: i32, opts: &CudaOptions) -> Result<CudaBackend> {
+        let gpu = Gpu::new(ordinal, opts)?;
+        let ctx = Ctx::new(gpu, opts)?;
         Ok(CudaBackend { ctx: Arc::new(ctx), rope: Arc::new(Mutex::new(HashMap::new())) })
     }
 
@@ -157,7 +167,7 @@ impl Backend for CudaBackend {
         }
         let idb = self.ids_buf(ids)?;
         let out = self.tensor(ids.len(), table.cols)?;
-        ops::embed(&self.ctx, table, idb.ptr, out.ptr(), ids.len())?;
+        ops::elementwise::embed(&self.ctx, table, idb.ptr, out.ptr(), ids.len())?;
         Ok(out)
     }
 
@@ -167,7 +177,7 @@ impl Backend for CudaBackend {
             return Err(shape_err("rms_norm", format!("{} columns, weight of {}", x.cols, w.len)));
         }
         let y = self.tensor(x.rows, x.cols)?;
-        ops::rms_norm(&self.ctx, x.ptr(), w.buf.ptr, y.ptr(), x.rows, x.cols, eps)?;
+        ops::elementwise::rms_norm(&self.ctx, x.ptr(), w.buf.ptr, y.ptr(), x.rows, x.cols, eps)?;
         Ok(y)
     }
 
@@ -176,7 +186,7 @@ impl Backend for CudaBackend {
         if (x.rows, x.cols) != (y.rows, y.cols) {
             return Err(shape_err("add", format!("[{}, {}] + [{}, {}]", x.rows, x.cols, y.rows, y.cols)));
         }
-        ops::add_assign(&self.ctx, x.ptr(), y.ptr(), x.rows * x.cols)
+        ops::elementwise::add_assign(&self.ctx, x.ptr(), y.ptr(), x.rows * x.cols)
     }
 
     fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &GpuVec, eps: f32) -> Result<CudaTensor> {
@@ -185,7 +195,7 @@ impl Backend for CudaBackend {
             return Err(shape_err("add_rms_norm", format!("[{}, {}] + [{}, {}], weight {}", x.rows, x.cols, y.rows, y.cols, w.len)));
         }
         let out = self.tensor(x.rows, x.cols)?;
-        ops::add_rms_norm(&self.ctx, x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), x.rows, x.cols, eps)?;
+        ops::elementwise::add_rms_norm(&self.ctx, x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), x.rows, x.cols, eps)?;
         Ok(out)
     }
 
@@ -195,7 +205,7 @@ impl Backend for CudaBackend {
             return Err(shape_err("matmul", format!("x [{}, {}] · W [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
         }
         let out = self.tensor(x.rows, w.rows)?;
-        ops::matmul(&self.ctx, w, x.ptr(), x.cols, x.rows, out.ptr(), w.rows)?;
+        ops::gemm::matmul(&self.ctx, w, x.ptr(), x.cols, x.rows, out.ptr(), w.rows)?;
         Ok(out)
     }
 
@@ -205,7 +215,7 @@ impl Backend for CudaBackend {
             return Err(shape_err("silu_mul", "shape mismatch".into()));
         }
         let out = self.tensor(gate.rows, gate.cols)?;
-        ops::silu_mul(&self.ctx, gate.ptr(), up.ptr(), out.ptr(), gate.rows * gate.cols)?;
+        ops::elementwise::silu_mul(&self.ctx, gate.ptr(), up.ptr(), out.ptr(), gate.rows * gate.cols)?;
         Ok(out)
     }
 
@@ -217,7 +227,7 @@ impl Backend for CudaBackend {
         let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         let ib = DevBuf::from_slice(self.gpu(), &idx)?;
         let out = self.tensor(rows.len(), x.cols)?;
-        ops::gather_rows(&self.ctx, x.ptr(), ib.ptr, out.ptr(), rows.len(), x.cols)?;
+        ops::elementwise::gather_rows(&self.ctx, x.ptr(), ib.ptr, out.ptr(), rows.len(), x.cols)?;
         Ok(out)
     }
 
@@ -238,7 +248,7 @@ impl Backend for CudaBackend {
         state: &mut CudaState,
     ) -> Result<CudaTensor> {
         self.gpu().bind()?;
-        exec::attention(self, inp, dims, eps, layer, batch, state)
+        layers::attention(self, inp, dims, eps, layer, batch, state)
     }
 
     fn deltanet(
@@ -251,12 +261,12 @@ impl Backend for CudaBackend {
         state: &mut CudaState,
     ) -> Result<CudaTensor> {
         self.gpu().bind()?;
-        exec::deltanet(self, inp, dims, eps, layer, batch, state)
+        layers::deltanet(self, inp, dims, eps, layer, batch, state)
     }
 
     fn moe(&self, x: &CudaTensor, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<CudaTensor> {
         self.gpu().bind()?;
-        exec::moe(self, x, w, dims)
+        layers::moe(self, x, w, dims)
     }
 }
 
@@ -276,13 +286,10 @@ pub fn sample(b: &CudaBackend, logits: &CudaTensor, params: SampleParams, step: 
         partial: partial.ptr,
         counter: counter.ptr,
         token_out: token.ptr,
-        tokens_log: 0,
         pos: 0,
         step: stepb.ptr,
         vocab: logits.cols as i32,
         nblocks: ops::sampling::ARGMAX_BLOCKS as i32,
-        log_cap: 0,
-        pad1: 0,
     };
     if params.is_greedy() { ops::sampling::argmax(&b.ctx, &a)? } else { ops::sampling::general(&b.ctx, &a)? }
     let mut t = [0i32];

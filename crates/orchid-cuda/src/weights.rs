@@ -5,6 +5,7 @@
 //!   tile keep each 128-k unit in one contiguous kilobyte). Bytes per weight: 0.5 + 4/64 (as MLX).
 //! - `Bf16`: dense bf16 (dense checkpoints; affine weights of other bit widths or groups are
 //!   dequantised to bf16 at upload).
+//!
 //! Rows are padded to a multiple of 128 and columns (K) to a multiple of 128, with zeros.
 
 use std::sync::Arc;
@@ -16,6 +17,16 @@ use orchid_model::linear::{AffineWeight, LinearWeight, WeightData};
 use rayon::prelude::*;
 
 use crate::driver::{DevBuf, Gpu};
+
+crate::kernel_abi! {
+    pub fn format_abi;
+    const {
+        /// `WFormat::Q4` in the kernels' template arguments.
+        FMT_Q4: i32 = 0;
+        /// `WFormat::Bf16`.
+        FMT_BF16: i32 = 1;
+    }
+}
 
 pub const ROW_PAD: usize = 128;
 pub const K_PAD: usize = 128;

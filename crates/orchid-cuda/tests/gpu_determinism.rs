@@ -32,7 +32,7 @@ fn run(m: &Model<CudaBackend>, ids: &[u32], chunk: usize, decode: usize) -> Run 
         last = Some(l);
     }
     let last = last.unwrap();
-    let mut graph = DecodeGraph::new(m, &mut st, slot, SampleParams::greedy(v), decode + 4).unwrap();
+    let mut graph = DecodeGraph::new(m, &mut st, slot, SampleParams::greedy(v)).unwrap();
     let mut tokens = vec![graph.start(last.row_ptr(last.rows - 1), ids.len()).unwrap()];
     let mut dec = Vec::new();
     for _ in 0..decode {
@@ -75,8 +75,9 @@ fn case(g: &CudaBackend, name: &str, cfg: &orchid_model::config::ModelConfig, pr
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU"]
 fn same_logits_every_run() {
-    let Some(g) = gpu() else { return };
+    let g = gpu();
     // (vocab, hidden, layers, (Hq, Hkv, D), (Hk, Hv, dk, dv), (E, k, I, Is), interval): one GDN and
     // one attention layer, 35B-like routing (8 of 128 experts).
     let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (128, 8, 128, 128), 2);

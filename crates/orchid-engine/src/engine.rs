@@ -7,7 +7,7 @@
 //! op computes each row independently, so a request's output does not depend on what else
 //! is running.
 //!
-//! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphDecoder`, a
+//! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`, a
 //! captured decode graph with sampling on the GPU). When exactly one sequence is running, it
 //! is past its prompt and the device sampler can honour its request (no repetition/presence/
 //! frequency penalty, no logprobs, finite parameters), the step runs through it instead of the
@@ -48,21 +48,13 @@ pub struct EngineOptions {
     /// Requests allowed to wait for a slot.
     pub max_queue: usize,
     /// Decode a lone sequence through the backend's fast decoder when it has one (CUDA: the
-    /// decode graph). Default: on, unless the environment sets `ORCHID_DECODE_GRAPH=0`.
+    /// decode graph). Default: on.
     pub fast_decode: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { max_seqs: 16, max_context: 32768, prefill_chunk: 512, max_queue: 64, fast_decode: fast_decode_default() }
-    }
-}
-
-/// `ORCHID_DECODE_GRAPH=0` (or `false`/`off`/`no`) turns the fast decode path off by default.
-pub fn fast_decode_default() -> bool {
-    match std::env::var("ORCHID_DECODE_GRAPH") {
-        Ok(v) => !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no"),
-        Err(_) => true,
+        EngineOptions { max_seqs: 16, max_context: 32768, prefill_chunk: 512, max_queue: 64, fast_decode: true }
     }
 }
 

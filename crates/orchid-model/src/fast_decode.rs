@@ -1,6 +1,6 @@
 //! An optional, backend-specific fast path for decoding ONE sequence (batch 1, the interactive
 //! case): on CUDA a decode step captured once as a CUDA graph, with the sampling done on the GPU
-//! (`orchid_cuda::GraphDecoder`). The engine (`orchid-engine`) uses it when exactly one sequence
+//! (`orchid_cuda::GraphFastDecode`). The engine (`orchid-engine`) uses it when exactly one sequence
 //! is running, that sequence is past its prompt, and its sampling needs nothing the device
 //! sampler lacks; prefill, batches of several sequences, penalties and log-probabilities go
 //! through [`Model::forward`] as before. The fast path works on the same `B::State` as the

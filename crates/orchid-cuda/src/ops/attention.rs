@@ -4,61 +4,63 @@ use orchid_model::error::{Error, Result};
 
 use super::Ctx;
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct PrepArgs {
-    pub qg: u64,
-    pub k: u64,
-    pub v: u64,
-    pub q_norm: u64,
-    pub k_norm: u64,
-    pub inv_freq: u64,
-    pub q_out: u64,
-    pub kpool: u64,
-    pub vpool: u64,
-    pub table: u64,
-    pub pos_ptr: u64,
-    pub t: i32,
-    pub start: i32,
-    pub hq: i32,
-    pub hkv: i32,
-    pub d: i32,
-    pub r: i32,
-    pub bs: i32,
-    pub ldq: i32,
-    pub qstride: i32,
-    pub ldk: i32,
-    pub pad0: i32,
-    pub pad1: i32,
-    pub eps: f32,
-    pub pad2: f32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct AttnArgs {
-    pub q: u64,
-    pub kpool: u64,
-    pub vpool: u64,
-    pub table: u64,
-    pub gate: u64,
-    pub out: u64,
-    pub part_o: u64,
-    pub part_ml: u64,
-    pub pos_ptr: u64,
-    pub t: i32,
-    pub start: i32,
-    pub hq: i32,
-    pub hkv: i32,
-    pub g: i32,
-    pub bs: i32,
-    pub ldg: i32,
-    pub nsplit: i32,
-    pub scale_log2: f32,
-    /// Decode: key tiles per split at least (0 or 1: the keys spread over all splits).
-    pub min_tiles: i32,
-    pub pad1: i32,
-    pub pad2: i32,
+crate::kernel_abi! {
+    pub fn attention_abi;
+    #[derive(Clone, Copy, Default)]
+    struct PrepArgs {
+        qg: u64,
+        k: u64,
+        v: u64,
+        q_norm: u64,
+        k_norm: u64,
+        inv_freq: u64,
+        q_out: u64,
+        kpool: u64,
+        vpool: u64,
+        table: u64,
+        pos_ptr: u64,
+        t: i32 => "T",
+        start: i32,
+        hq: i32 => "Hq",
+        hkv: i32 => "Hkv",
+        /// ldq: row stride of qg (Hq*D*(1+gate))
+        d: i32 => "D",
+        r: i32 => "R",
+        bs: i32 => "BS",
+        ldq: i32,
+        /// qstride: per-head stride inside a qg row (D or 2D)
+        qstride: i32,
+        ldk: i32,
+        pad0: i32,
+        pad1: i32,
+        eps: f32,
+        pad2: f32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct AttnArgs {
+        q: u64,
+        kpool: u64,
+        vpool: u64,
+        table: u64,
+        gate: u64,
+        out: u64,
+        part_o: u64,
+        part_ml: u64,
+        pos_ptr: u64,
+        t: i32 => "T",
+        start: i32,
+        hq: i32 => "Hq",
+        hkv: i32 => "Hkv",
+        g: i32 => "G",
+        bs: i32 => "BS",
+        ldg: i32,
+        nsplit: i32,
+        scale_log2: f32,
+        /// Decode: key tiles per split at least (0 or 1: the keys spread over all splits).
+        min_tiles: i32,
+        pad1: i32,
+        pad2: i32,
+    }
 }
 
 pub const SUPPORTED_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];

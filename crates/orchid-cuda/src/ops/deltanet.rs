@@ -4,111 +4,112 @@ use orchid_model::error::{Error, Result};
 
 use super::Ctx;
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ConvArgs {
-    pub x: u64,
-    pub w: u64,
-    pub state_in: u64,
-    pub state_out: u64,
-    pub out: u64,
-    pub t: i32,
-    pub c: i32,
-    pub kc: i32,
-    pub ldx: i32,
+crate::kernel_abi! {
+    pub fn deltanet_abi;
+    const {
+        /// Tokens per thread of `gdn_conv`.
+        CONV_TOKENS => "CONV_TT": usize = 8;
+        /// Tokens per chunk of the chunked prefill.
+        CHUNK: usize = 64;
+        /// Blocks per value head of the decode kernel (one thread-block cluster on sm_90+), each
+        /// owning `dv / DECODE_SPLIT` state columns.
+        DECODE_SPLIT => "GDN_NS": usize = 4;
+        /// Threads per block of the decode kernel.
+        DECODE_THREADS => "GDN_THREADS": usize = 256;
+        /// State rows per thread of the decode kernel.
+        DECODE_MAX_ROWS => "GDN_MAXR": usize = 16;
+        /// Conv channels per thread of the decode kernel: a block convolves 2·dk + dv/DECODE_SPLIT channels.
+        DECODE_CH_PER_THREAD => "GDN_NCPT": usize = 3;
+    }
+    #[derive(Clone, Copy, Default)]
+    struct ConvArgs {
+        x: u64,
+        w: u64,
+        state_in: u64,
+        state_out: u64,
+        out: u64,
+        t: i32 => "T",
+        c: i32 => "C",
+        kc: i32 => "KC",
+        ldx: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct GdnPrepArgs {
+        x: u64,
+        b: u64,
+        a: u64,
+        a_log: u64,
+        dt_bias: u64,
+        beta: u64,
+        gdec: u64,
+        t: i32 => "T",
+        hk: i32 => "Hk",
+        hv: i32 => "Hv",
+        dk: i32,
+        ldb: i32,
+        lda: i32,
+        c: i32 => "C",
+        pad: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct ChunkArgs {
+        x: u64,
+        beta: u64,
+        gdec: u64,
+        state: u64,
+        out: u64,
+        /// `chunk_scratch_bytes` (written by gdn_chunk_prep, read by gdn_chunk_scan).
+        scratch: u64,
+        t: i32 => "T",
+        hk: i32 => "Hk",
+        hv: i32 => "Hv",
+        dk: i32,
+        dv: i32,
+        c: i32 => "C",
+        cw: i32,
+        /// `chunk_count(t)`.
+        nchunks: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct GNormArgs {
+        core: u64,
+        z: u64,
+        w: u64,
+        out: u64,
+        t: i32 => "T",
+        hv: i32 => "Hv",
+        dv: i32,
+        ldz: i32,
+        eps: f32,
+        pad0: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct GdnDecodeArgs {
+        qkv: u64,
+        z: u64,
+        b: u64,
+        a: u64,
+        conv_w: u64,
+        conv_state: u64,
+        a_log: u64,
+        dt_bias: u64,
+        norm_w: u64,
+        state: u64,
+        out: u64,
+        pos_ptr: u64,
+        hk: i32 => "Hk",
+        hv: i32 => "Hv",
+        dk: i32,
+        dv: i32,
+        kc: i32 => "KC",
+        c: i32 => "C",
+        pos: i32,
+        pad: i32,
+        eps: f32,
+        pad1: f32,
+    }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct GdnPrepArgs {
-    pub x: u64,
-    pub b: u64,
-    pub a: u64,
-    pub a_log: u64,
-    pub dt_bias: u64,
-    pub beta: u64,
-    pub gdec: u64,
-    pub t: i32,
-    pub hk: i32,
-    pub hv: i32,
-    pub dk: i32,
-    pub ldb: i32,
-    pub lda: i32,
-    pub c: i32,
-    pub pad: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ChunkArgs {
-    pub x: u64,
-    pub beta: u64,
-    pub gdec: u64,
-    pub state: u64,
-    pub out: u64,
-    /// `chunk_scratch_bytes` (written by gdn_chunk_prep, read by gdn_chunk_scan).
-    pub scratch: u64,
-    pub t: i32,
-    pub hk: i32,
-    pub hv: i32,
-    pub dk: i32,
-    pub dv: i32,
-    pub c: i32,
-    pub cw: i32,
-    /// `chunk_count(t)`.
-    pub nchunks: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct GNormArgs {
-    pub core: u64,
-    pub z: u64,
-    pub w: u64,
-    pub out: u64,
-    pub t: i32,
-    pub hv: i32,
-    pub dv: i32,
-    pub ldz: i32,
-    pub eps: f32,
-    pub pad0: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct GdnDecodeArgs {
-    pub qkv: u64,
-    pub z: u64,
-    pub b: u64,
-    pub a: u64,
-    pub conv_w: u64,
-    pub conv_state: u64,
-    pub a_log: u64,
-    pub dt_bias: u64,
-    pub norm_w: u64,
-    pub state: u64,
-    pub out: u64,
-    pub pos_ptr: u64,
-    pub hk: i32,
-    pub hv: i32,
-    pub dk: i32,
-    pub dv: i32,
-    pub kc: i32,
-    pub c: i32,
-    pub pos: i32,
-    pub pad: i32,
-    pub eps: f32,
-    pub pad1: f32,
-}
-
-/// Blocks per value head of the decode kernel (one thread-block cluster on sm_90+; GDN_NS in
-/// deltanet.cu), each owning `dv / DECODE_SPLIT` state columns.
-pub const DECODE_SPLIT: usize = 4;
-pub const DECODE_THREADS: usize = 256;
-/// State rows per thread (GDN_MAXR).
-pub const DECODE_MAX_ROWS: usize = 16;
-/// Conv channels per thread (GDN_NCPT): a block convolves 2·dk + dv/DECODE_SPLIT channels.
-pub const DECODE_CH_PER_THREAD: usize = 3;
 
 /// Dynamic shared memory of `gdn_decode`: the old conv window (KC−1 taps) and the conv weights
 /// (KC taps) of the block's 2·dk + dv/DECODE_SPLIT channels, then the state rows of every
@@ -119,13 +120,10 @@ pub fn decode_smem(dk: usize, dv: usize, kc: usize) -> usize {
 
 /// Columns of the state per chunked-prefill block.
 pub fn chunk_cols(dv: usize) -> usize {
-    if dv % 32 == 0 { 32 } else { 16 }
+    if dv.is_multiple_of(32) { 32 } else { 16 }
 }
 
-/// Tokens per chunk of the chunked prefill (CHUNK in deltanet.cu).
-pub const CHUNK: usize = 64;
-
-/// The longest span one `chunk` call takes (a multiple of CHUNK; exec.rs runs longer spans in
+/// The longest span one `chunk` call takes (a multiple of CHUNK; layers.rs runs longer spans in
 /// pieces), which bounds the scratch.
 pub const CHUNK_SPAN_MAX: usize = 4096;
 
@@ -156,7 +154,7 @@ pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()
     // Decode: a block holds all dk rows of cw = dv/DECODE_SPLIT columns, rg = 256/cw row groups.
     let cw = dv / DECODE_SPLIT;
     let rg = DECODE_THREADS / cw.max(1);
-    let ok = dv % 16 == 0
+    let ok = dv.is_multiple_of(16)
         && (1..=256).contains(&dk)
         && (16..=256).contains(&dv)
         && rg >= 1
@@ -165,15 +163,13 @@ pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()
         && (1..=64).contains(&kc)
         && decode_smem(dk, dv, kc) <= 96 * 1024;
     // Chunked prefill: 16-byte rows of q/k/W (cp.async, float4), both kernels' shared memory.
-    let chunk_ok = dk % 4 == 0 && chunk_prep_smem(dk, dv) <= 227 * 1024 && chunk_scan_smem(dk, chunk_cols(dv)) <= 227 * 1024;
+    let chunk_ok = dk.is_multiple_of(4) && chunk_prep_smem(dk, dv) <= 227 * 1024 && chunk_scan_smem(dk, chunk_cols(dv)) <= 227 * 1024;
     if !ok || !chunk_ok || conv_dim == 0 {
         return Err(Error::Op { op: "deltanet", msg: format!("GDN head dims dk {dk} / dv {dv} are not supported on CUDA") });
     }
     Ok(())
 }
 
-/// Tokens per thread of `gdn_conv` (CONV_TT in deltanet.cu).
-pub const CONV_TOKENS: usize = 8;
 
 pub fn conv(c: &Ctx, a: &ConvArgs) -> Result<()> {
     let rows = (a.t.max(a.kc - 1).max(1) as usize).div_ceil(CONV_TOKENS);

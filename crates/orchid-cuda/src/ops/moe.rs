@@ -4,63 +4,59 @@ use orchid_model::error::Result;
 
 use super::Ctx;
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct TopkArgs {
-    pub logits: u64,
-    pub ids: u64,
-    pub wts: u64,
-    pub counts: u64,
-    pub t: i32,
-    pub e: i32,
-    pub topk: i32,
-    pub renorm: i32,
-    pub ldl: i32,
-    pub pad0: i32,
-    pub pad1: i32,
-    pub pad2: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ScanArgs {
-    pub counts: u64,
-    pub offsets: u64,
-    pub cursor: u64,
-    pub tiles: u64,
-    pub num_tiles: u64,
-    pub e: i32,
-    pub bn: i32,
-    pub pad0: i32,
-    pub pad1: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ScatterArgs {
-    pub ids: u64,
-    pub cursor: u64,
-    pub assign_tok: u64,
-    pub slot_pos: u64,
-    pub t: i32,
-    pub topk: i32,
-    pub pad0: i32,
-    pub pad1: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct CombineArgs {
-    pub y: u64,
-    pub wts: u64,
-    pub slot_pos: u64,
-    pub shared: u64,
-    pub shared_gate: u64,
-    pub out: u64,
-    pub t: i32,
-    pub h: i32,
-    pub topk: i32,
-    pub ld_sg: i32,
+crate::kernel_abi! {
+    pub fn moe_abi;
+    #[derive(Clone, Copy, Default)]
+    struct TopkArgs {
+        logits: u64,
+        ids: u64,
+        wts: u64,
+        counts: u64,
+        t: i32 => "T",
+        e: i32 => "E",
+        topk: i32,
+        renorm: i32,
+        ldl: i32,
+        pad0: i32,
+        pad1: i32,
+        pad2: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct ScanArgs {
+        counts: u64,
+        offsets: u64,
+        cursor: u64,
+        tiles: u64,
+        num_tiles: u64,
+        e: i32 => "E",
+        bn: i32,
+        pad0: i32,
+        pad1: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct ScatterArgs {
+        ids: u64,
+        cursor: u64,
+        assign_tok: u64,
+        slot_pos: u64,
+        t: i32 => "T",
+        topk: i32,
+        pad0: i32,
+        pad1: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct CombineArgs {
+        y: u64,
+        wts: u64,
+        slot_pos: u64,
+        shared: u64,
+        shared_gate: u64,
+        out: u64,
+        t: i32 => "T",
+        h: i32 => "H",
+        topk: i32,
+        ld_sg: i32,
+    }
 }
 
 pub fn topk(c: &Ctx, a: &TopkArgs) -> Result<()> {

@@ -4,33 +4,36 @@ use orchid_model::error::Result;
 
 use super::Ctx;
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct SampleParams {
-    pub temperature: f32,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub top_k: i32,
-    pub seed: u64,
-    pub valid: i32,
-    pub pad: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct SampleArgs {
-    pub logits: u64,
-    pub params: u64,
-    pub partial: u64,
-    pub counter: u64,
-    pub token_out: u64,
-    pub tokens_log: u64,
-    pub pos: u64,
-    pub step: u64,
-    pub vocab: i32,
-    pub nblocks: i32,
-    pub log_cap: i32,
-    pub pad1: i32,
+crate::kernel_abi! {
+    pub fn sampling_abi;
+    const {
+        /// Threads of the general sampler's one block.
+        SAMPLE_THREADS => "SB": usize = 1024;
+    }
+    #[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct SampleParams {
+        temperature: f32,
+        top_p: f32,
+        min_p: f32,
+        top_k: i32,
+        seed: u64,
+        valid: i32,
+        pad: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct SampleArgs {
+        /// partial: float2 per block; counter: u32 (last-block)
+        logits: u64,
+        params: u64,
+        partial: u64,
+        counter: u64,
+        /// token_out: int (next input); pos/step: int*
+        token_out: u64,
+        pos: u64,
+        step: u64,
+        vocab: i32,
+        nblocks: i32,
+    }
 }
 
 /// Blocks of the greedy argmax (the partial buffer holds this many float2).
@@ -50,7 +53,7 @@ pub fn argmax(c: &Ctx, a: &SampleArgs) -> Result<()> {
 }
 
 pub fn general(c: &Ctx, a: &SampleArgs) -> Result<()> {
-    c.k("sample_general").launch(&c.gpu, (1, 1, 1), 1024, 0, a)
+    c.k("sample_general").launch(&c.gpu, (1, 1, 1), SAMPLE_THREADS as u32, 0, a)
 }
 
 #[cfg(test)]
@@ -58,6 +61,6 @@ mod tests {
     #[test]
     fn sizes() {
         assert_eq!(std::mem::size_of::<super::SampleParams>(), 32);
-        assert_eq!(std::mem::size_of::<super::SampleArgs>(), 80);
+        assert_eq!(std::mem::size_of::<super::SampleArgs>(), 64);
     }
 }

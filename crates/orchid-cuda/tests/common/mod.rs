@@ -13,20 +13,28 @@ use orchid_model::storage::Bytes;
 pub use orchid_cuda::bf16ref::Bf16Cpu;
 use orchid_model::weights::{HostAttention, HostDeltaNet, HostFfn, HostLayer, HostMixer, HostMlp, HostMoe, HostWeights};
 
-/// The shared CUDA backend, or None (after printing "skipped: no GPU") on machines without one.
-pub fn gpu() -> Option<orchid_cuda::CudaBackend> {
-    static B: OnceLock<Option<orchid_cuda::CudaBackend>> = OnceLock::new();
-    let b = B.get_or_init(|| match orchid_cuda::probe() {
-        Err(why) => {
-            println!("skipped: no GPU ({why})");
-            None
+/// The options the GPU tests run with: the defaults, kernels cached in the temp folder.
+pub fn options() -> orchid_cuda::CudaOptions {
+    orchid_cuda::CudaOptions { kernel_cache: Some(std::env::temp_dir().join("orchid-kernels")), ..Default::default() }
+}
+
+/// The shared CUDA backend with `options()`. The GPU tests are `#[ignore]`d (`cargo test` on a
+/// machine without a GPU reports them as ignored); run with `--ignored` where there is no GPU,
+/// they fail with the reason.
+pub fn gpu() -> orchid_cuda::CudaBackend {
+    gpu_with(options())
+}
+
+/// Like `gpu`, with other options (the first call of a test executable decides).
+pub fn gpu_with(opts: orchid_cuda::CudaOptions) -> orchid_cuda::CudaBackend {
+    static B: OnceLock<orchid_cuda::CudaBackend> = OnceLock::new();
+    B.get_or_init(|| {
+        if let Err(why) = orchid_cuda::probe(&opts) {
+            panic!("no usable GPU: {why}");
         }
-        Ok(()) => Some(orchid_cuda::CudaBackend::new(0).expect("CUDA backend")),
-    });
-    if b.is_none() {
-        println!("skipped: no GPU");
-    }
-    b.clone()
+        orchid_cuda::CudaBackend::new(0, &opts).expect("CUDA backend")
+    })
+    .clone()
 }
 
 /// Deterministic uniform numbers in [-1, 1).
@@ -111,7 +119,7 @@ pub enum Fmt {
 pub fn linear(rng: &mut Rng, rows: usize, cols: usize, fmt: Fmt, bits: u32) -> LinearWeight {
     let v = rng.vec(rows * cols, (3.0 / cols as f32).sqrt());
     match fmt {
-        Fmt::Mlx if cols % 64 == 0 => affine(rows, cols, &v, bits),
+        Fmt::Mlx if cols.is_multiple_of(64) => affine(rows, cols, &v, bits),
         _ => dense_bf16(rows, cols, &v),
     }
 }
@@ -131,7 +139,7 @@ pub fn random_weights(cfg: &ModelConfig, fmt: Fmt, seed: u64) -> HostWeights {
     let (a, d, m) = (&cfg.attention, &cfg.deltanet, &cfg.moe);
     let embed = {
         let v = rng.vec(cfg.vocab_size * h, 1.0);
-        if fmt == Fmt::Mlx && h % 64 == 0 { affine(cfg.vocab_size, h, &v, 4) } else { dense_bf16(cfg.vocab_size, h, &v) }
+        if fmt == Fmt::Mlx && h.is_multiple_of(64) { affine(cfg.vocab_size, h, &v, 4) } else { dense_bf16(cfg.vocab_size, h, &v) }
     };
     let lm_head = linear(&mut rng, cfg.vocab_size, h, fmt, 4);
     let layers = cfg

@@ -220,7 +220,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let max_len = *lengths.iter().max().unwrap_or(&256);
         let mut state = m.new_state(StateOptions { max_seqs: 1, max_context: max_len + a.decode + 64 })?;
         let slot = state.alloc().context("state slot")?;
-        let mut graph = DecodeGraph::new(&m, &mut state, slot, SampleParams::greedy(v), a.decode + 8)?;
+        let mut graph = DecodeGraph::new(&m, &mut state, slot, SampleParams::greedy(v))?;
         state.free(slot);
         tracing::info!("decode graph: {} kernels per step", graph.kernels_per_step);
         report["kernels_per_decode_step"] = json!(graph.kernels_per_step);
@@ -326,7 +326,7 @@ fn profile(m: &Model<CudaBackend>, state: &mut orchid_cuda::CudaState, graph: &m
     let ev = driver::profile_end();
     let pre = driver::profile_summary(&ev)?;
     drop(ev);
-    let mut pg = DecodeGraph::new_profiled(m, state, slot, SampleParams::greedy(v), 8)?;
+    let mut pg = DecodeGraph::new_profiled(m, state, slot, SampleParams::greedy(v))?;
     pg.start(logits.unwrap().ptr(), len)?;
     for _ in 0..3 {
         pg.step(state)?;

@@ -71,7 +71,7 @@ fn load_on<B: orchid_model::Backend>(dir: &Path, backend: B) -> Result<Model<B>>
 
 /// Loads `dir` onto the first GPU (weights stay 4-bit in device memory).
 pub fn load_cuda(dir: &Path) -> Result<Model<orchid_cuda::CudaBackend>> {
-    let m = load_on(dir, orchid_cuda::CudaBackend::new(0)?)?;
+    let m = load_on(dir, orchid_cuda::CudaBackend::new(0, super::env_options::cuda_options())?)?;
     m.backend.gpu().synchronize()?;
     Ok(m)
 }
@@ -85,11 +85,11 @@ pub fn load_cpu(dir: &Path) -> Result<Model<CpuBackend>> {
 pub fn resolve_device(d: Device) -> Result<Device> {
     match d {
         Device::Cpu => Ok(Device::Cpu),
-        Device::Cuda => match orchid_cuda::probe() {
+        Device::Cuda => match orchid_cuda::probe(super::env_options::cuda_options()) {
             Ok(()) => Ok(Device::Cuda),
             Err(why) => bail!("--device cuda: {why}"),
         },
-        Device::Auto => Ok(if orchid_cuda::available() { Device::Cuda } else { Device::Cpu }),
+        Device::Auto => Ok(if orchid_cuda::available(super::env_options::cuda_options()) { Device::Cuda } else { Device::Cpu }),
     }
 }
 
@@ -100,15 +100,17 @@ pub struct Loaded {
 }
 
 pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::EngineOptions) -> Result<Loaded> {
+    let opts = orchid_engine::engine::EngineOptions { fast_decode: opts.fast_decode && super::env_options::decode_graph(), ..opts };
     let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir)?);
     let dir2 = dir.to_path_buf();
     let engine = match resolve_device(device)? {
         Device::Cpu | Device::Auto => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cpu(&dir2)),
         // The engine decodes a lone sequence through the CUDA decode graph (GPU sampling) and
-        // everything else through the op-level path (EngineOptions::fast_decode, ORCHID_DECODE_GRAPH=0).
+        // everything else through the op-level path (EngineOptions::fast_decode; ORCHID_DECODE_GRAPH=0
+        // turns it off, see env_options).
         Device::Cuda => orchid_engine::engine::spawn_with(opts, tokenizer.clone(), move || {
             let model = load_cuda(&dir2)?;
-            let fast: Box<dyn orchid_model::FastDecode<orchid_cuda::CudaBackend>> = Box::new(orchid_cuda::GraphDecoder::new());
+            let fast: Box<dyn orchid_model::FastDecode<orchid_cuda::CudaBackend>> = Box::new(orchid_cuda::GraphFastDecode::new());
             Ok(orchid_engine::engine::LoadedModel { model, fast_decode: Some(fast) })
         }),
     };

@@ -2,6 +2,7 @@
 pub mod bench;
 pub mod chat;
 pub mod common;
+pub mod env_options;
 pub mod eval;
 pub mod presets;
 pub mod quantize;

@@ -17,16 +17,13 @@ use orchid_model::model::{Ffn, Mixer};
 use orchid_model::Model;
 
 use crate::driver::{DevBuf, Graph};
-use crate::ops::{self, attention as at, deltanet as dn, sampling as sp, Ctx, MoeDecode, RouteEpi};
+use crate::ops::elementwise::embed;
+use crate::ops::gemv::{gemv, RouteEpi, ROUTER_KPARTS};
+use crate::ops::moe_decode::{can_fuse_route, moe_down, moe_route_up, moe_up, FusedRoute, MoeDecode};
+use crate::ops::{attention as at, deltanet as dn, sampling as sp, Ctx};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::weights::GpuLinear;
 use crate::CudaBackend;
-
-/// Splits of the decode attention inside the graph (fixed: the grid cannot change per step;
-/// `ORCHID_TUNE_ATTN_SPLITS`, see tuning.rs).
-fn graph_splits() -> usize {
-    crate::tuning::get().attn_splits
-}
 
 pub struct DecodeGraph {
     ctx: Arc<Ctx>,
@@ -44,23 +41,20 @@ pub struct DecodeGraph {
     route_w: DevBuf,
     ones: DevBuf,
     counter: DevBuf,
-    /// The fused router's grid barrier {arrived, departed} (kernels/gemv.cu route_phase).
+    /// The fused router's grid barrier {arrived, departed} (kernels/moe_decode.cu route_phase).
     barrier: DevBuf,
     hbuf: DevBuf,
     logits: DevBuf,
     token: DevBuf,
     pos: DevBuf,
     step: DevBuf,
-    tokens_log: DevBuf,
     params: DevBuf,
     partial: DevBuf,
     sample_counter: DevBuf,
     greedy: bool,
     vocab: usize,
-    max_steps: usize,
     /// Host mirror of the device position (the next token's position).
     pub pos_host: usize,
-    steps: usize,
     pub kernels_per_step: usize,
     /// Whether the step's kernels are chained by programmatic dependent launch (see `capture`).
     pub pdl: bool,
@@ -77,7 +71,7 @@ fn gemv_groups(c: &Ctx, segs: &[(&GpuLinear, usize)], x: u64, norm: Option<(u64,
         while j < segs.len() && j - i < 4 && segs[j].0.fmt == segs[i].0.fmt && segs[j].0.kpad == segs[i].0.kpad {
             j += 1;
         }
-        ops::gemv(c, &segs[i..j], x, 0, 1, norm, out, ldo, acc, None)?;
+        gemv(c, &segs[i..j], x, 0, 1, norm, out, ldo, acc, None)?;
         n += 1;
         i = j;
     }
@@ -85,15 +79,14 @@ fn gemv_groups(c: &Ctx, segs: &[(&GpuLinear, usize)], x: u64, norm: Option<(u64,
 }
 
 impl DecodeGraph {
-    /// Builds the buffers for `slot` and captures one decode step. `max_steps` bounds the
-    /// token log (steps beyond it wrap around).
-    pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize) -> Result<DecodeGraph> {
-        Self::build(model, state, slot, params, max_steps, false)
+    /// Builds the buffers for `slot` and captures one decode step.
+    pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams) -> Result<DecodeGraph> {
+        Self::build(model, state, slot, params, false)
     }
 
     /// Like `new`, with a timing event after every kernel of the step (slightly slower).
-    pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize) -> Result<DecodeGraph> {
-        Self::build(model, state, slot, params, max_steps, true)
+    pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams) -> Result<DecodeGraph> {
+        Self::build(model, state, slot, params, true)
     }
 
     /// Time per kernel name over the last replayed step: (name, launches, ms), largest first.
@@ -101,7 +94,7 @@ impl DecodeGraph {
         crate::driver::profile_summary(&self.prof)
     }
 
-    fn build(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, max_steps: usize, profile: bool) -> Result<DecodeGraph> {
+    fn build(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, profile: bool) -> Result<DecodeGraph> {
         let b = &model.backend;
         let ctx = b.ctx.clone();
         let gpu = ctx.gpu.clone();
@@ -129,10 +122,10 @@ impl DecodeGraph {
             proj: f32b(proj_w)?,
             y: f32b(y_w)?,
             qbf: DevBuf::zeros(&gpu, a.num_heads * a.head_dim * 2)?,
-            part_o: f32b(a.num_kv_heads * nz * graph_splits() * 16 * a.head_dim)?,
-            part_ml: f32b(a.num_kv_heads * nz * graph_splits() * 16 * 2)?,
+            part_o: f32b(a.num_kv_heads * nz * ctx.tuning.attn_splits * 16 * a.head_dim)?,
+            part_ml: f32b(a.num_kv_heads * nz * ctx.tuning.attn_splits * 16 * 2)?,
             router_logits: f32b(m.num_experts + 1)?,
-            router_partial: f32b(ops::ROUTER_KPARTS * (m.num_experts + 1))?,
+            router_partial: f32b(ROUTER_KPARTS * (m.num_experts + 1))?,
             route_ids: f32b(m.top_k.max(1))?,
             route_w: f32b(m.top_k + 1)?,
             ones: DevBuf::from_slice(&gpu, &[1.0f32, 1.0])?,
@@ -143,15 +136,12 @@ impl DecodeGraph {
             token: f32b(1)?,
             pos: f32b(1)?,
             step: f32b(1)?,
-            tokens_log: f32b(max_steps.max(1) + 1)?,
             params: DevBuf::from_slice(&gpu, &[params])?,
             partial: f32b(2 * sp::ARGMAX_BLOCKS)?,
             sample_counter: f32b(1)?,
             greedy,
             vocab: v,
-            max_steps: max_steps.max(1),
             pos_host: 0,
-            steps: 0,
             kernels_per_step: 0,
             pdl: false,
             prof: Vec::new(),
@@ -163,7 +153,7 @@ impl DecodeGraph {
         gpu.synchronize()?;
         // Programmatic dependent launch between the step's kernels (not with the per-kernel
         // timing events of a profiled graph); if the driver refuses it, capture without.
-        let pdl = !profile && crate::driver::pdl_supported(&gpu);
+        let pdl = !profile && ctx.pdl;
         let (graph, launches, prof) = match g.capture(model, state, profile, pdl) {
             Ok(r) => r,
             Err(e) if pdl => {
@@ -211,7 +201,7 @@ impl DecodeGraph {
         let eps = cfg.rms_norm_eps;
         let slot = self.slot;
         let mut n = 0;
-        ops::embed(c, &model.embed_tokens, self.token.ptr, self.x.ptr, 1)?;
+        embed(c, &model.embed_tokens, self.token.ptr, self.x.ptr, 1)?;
         n += 1;
         crate::driver::set_pdl(self.pdl);
         for layer in &model.layers {
@@ -302,8 +292,8 @@ impl DecodeGraph {
                         g: (hq / hkv) as i32,
                         bs: KV_BLOCK as i32,
                         ldg: (hq * qstride) as i32,
-                        nsplit: graph_splits() as i32,
-                        min_tiles: crate::tuning::get().attn_min_tiles as i32,
+                        nsplit: c.tuning.attn_splits as i32,
+                        min_tiles: c.tuning.attn_min_tiles as i32,
                         scale_log2: std::f32::consts::LOG2_E / (dh as f32).sqrt(),
                         ..Default::default()
                     };
@@ -339,7 +329,7 @@ impl DecodeGraph {
                     };
                     // Router and gate/up in one kernel where the layer allows (one kernel and the
                     // router's last-block tail less per MoE layer); else router matvec + moe_up.
-                    let fused = ops::FusedRoute {
+                    let fused = FusedRoute {
                         router: &w.router,
                         shared_gate: shared.map(|(_, sg)| sg),
                         e,
@@ -348,30 +338,30 @@ impl DecodeGraph {
                         barrier: self.barrier.ptr,
                         wts: self.route_w.ptr,
                     };
-                    if ops::can_fuse_route(c, &md2, &fused) {
-                        ops::moe_route_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr, &fused)?;
+                    if can_fuse_route(c, &md2, &fused) {
+                        moe_route_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr, &fused)?;
                         n += 1;
                     } else {
                         match shared {
                             Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
-                                ops::gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
+                                gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
                                 n += 1;
                             }
                             Some((_, sg)) => {
-                                ops::gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
+                                gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
                                 // The partials cover the router rows only; the shared-gate logit is already in place.
-                                ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
+                                gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
                                 n += 2;
                             }
                             None => {
-                                ops::gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
+                                gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
                                 n += 1;
                             }
                         }
-                        ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
+                        moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
                         n += 1;
                     }
-                    ops::moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
+                    moe_down(c, &md2, self.hbuf.ptr, self.route_w.ptr, self.route_ids.ptr, self.x.ptr)?;
                     n += 1;
                 }
                 Ffn::Dense(mlp) => {
@@ -384,20 +374,19 @@ impl DecodeGraph {
                         sh_down: Some(&mlp.down_proj),
                         topk: 0,
                     };
-                    ops::moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
-                    ops::moe_down(c, &md2, self.hbuf.ptr, self.ones.ptr, self.route_ids.ptr, self.x.ptr)?;
+                    moe_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr)?;
+                    moe_down(c, &md2, self.hbuf.ptr, self.ones.ptr, self.route_ids.ptr, self.x.ptr)?;
                     n += 2;
                 }
             }
         }
-        ops::gemv(c, &[(&model.lm_head, 0)], self.x.ptr, 0, 1, Some((model.norm.buf.ptr, eps)), self.logits.ptr, 0, false, None)?;
+        gemv(c, &[(&model.lm_head, 0)], self.x.ptr, 0, 1, Some((model.norm.buf.ptr, eps)), self.logits.ptr, 0, false, None)?;
         n += 1;
         self.sample_into(self.logits.ptr, true)?;
         Ok(n + 1)
     }
 
-    /// Samples from `logits` into the input slot; logs the token at index `step` and advances
-    /// the step counter; `advance_pos` also advances the device position (decode steps).
+    /// Samples from `logits` into the input slot and advances the step counter; `advance_pos` also advances the device position (decode steps).
     fn sample_into(&self, logits: u64, advance_pos: bool) -> Result<()> {
         let a = sp::SampleArgs {
             logits,
@@ -405,13 +394,10 @@ impl DecodeGraph {
             partial: self.partial.ptr,
             counter: self.sample_counter.ptr,
             token_out: self.token.ptr,
-            tokens_log: self.tokens_log.ptr,
             pos: if advance_pos { self.pos.ptr } else { 0 },
             step: self.step.ptr,
             vocab: self.vocab as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
-            log_cap: self.max_steps as i32 + 1,
-            pad1: 0,
         };
         if self.greedy { sp::argmax(&self.ctx, &a) } else { sp::general(&self.ctx, &a) }
     }
@@ -424,7 +410,6 @@ impl DecodeGraph {
         self.step.upload(0, bytemuck::bytes_of(&0i32))?;
         self.sample_into(logits_row, false)?;
         self.pos_host = pos;
-        self.steps = 0;
         self.read_token()
     }
 
@@ -437,10 +422,9 @@ impl DecodeGraph {
         Ok(())
     }
 
-    /// Sets the device step counter: the index at which the next sampled token is logged and
-    /// the counter of the seeded generator (the general sampler draws with (seed, step)), so
-    /// that a caller can key the random stream to the token's index in its output. Does not
-    /// change the host bookkeeping of `tokens()`.
+    /// Sets the device step counter, the counter of the seeded generator (the general sampler
+    /// draws with (seed, step)), so that a caller can key the random stream to the token's index
+    /// in its output.
     pub fn set_step(&mut self, step: usize) -> Result<()> {
         self.ctx.gpu.bind()?;
         self.step.upload(0, bytemuck::bytes_of(&(step.min(i32::MAX as usize) as i32)))
@@ -477,7 +461,6 @@ impl DecodeGraph {
         }
         self.graph.as_ref().expect("captured").launch(&self.ctx.gpu)?;
         self.pos_host += 1;
-        self.steps += 1;
         Ok(())
     }
 
@@ -486,15 +469,6 @@ impl DecodeGraph {
         let mut v = vec![0f32; self.vocab];
         self.logits.download(0, bytemuck::cast_slice_mut(&mut v))?;
         Ok(v)
-    }
-
-    /// Tokens sampled since `start` (the first one from the prefill logits), in order; the log
-    /// keeps the first `max_steps + 1`.
-    pub fn tokens(&self) -> Result<Vec<u32>> {
-        let n = (self.steps + 1).min(self.max_steps + 1);
-        let mut v = vec![0i32; n];
-        self.tokens_log.download(0, bytemuck::cast_slice_mut(&mut v))?;
-        Ok(v.iter().map(|&t| t as u32).collect())
     }
 
     pub fn set_params(&mut self, p: sp::SampleParams) -> Result<()> {

@@ -1,4 +1,5 @@
-//! The op-level glue of the mixers and the MoE block: buffers, per-span launches, variant choice.
+//! The op-level backend's layer blocks (attention, Gated DeltaNet, MoE): buffers, per-span
+//! launches, variant choice.
 //! No host synchronisation happens here: routing, token lists and tile tables stay on the GPU.
 
 use orchid_model::backend::{AttentionInputs, DeltaNetInputs, MoeWeights};
@@ -7,7 +8,9 @@ use orchid_model::config::{AttentionDims, DeltaNetDims, MoeDims};
 use orchid_model::error::{Error, Result};
 
 use crate::driver::{copy_d2d, DevBuf};
-use crate::ops::{self, attention as at, deltanet as dn, moe as mo};
+use crate::ops::elementwise::silu_mul;
+use crate::ops::gemm::{gemm, gemm_bn, gemm_x, matmul, matmul_x, Grouped};
+use crate::ops::{attention as at, deltanet as dn, moe as mo};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::{CudaBackend, CudaTensor};
 
@@ -249,8 +252,8 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     let logits = b.tensor(t, e)?;
     // x rounded to bf16 with its group sums, once for every GEMM that reads it (router, experts'
     // gate/up, shared expert and its gate).
-    let xp = ops::gemm_x(c, x.ptr(), h, t, h)?;
-    ops::matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), e)?;
+    let xp = gemm_x(c, x.ptr(), h, t, h)?;
+    matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), e)?;
     let ids = DevBuf::alloc(gpu, t * k * 4)?;
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
     let counts = DevBuf::zeros(gpu, e * 4)?;
@@ -269,7 +272,7 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
             ..Default::default()
         },
     )?;
-    let bn = ops::gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e));
+    let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e));
     let max_tiles = (t * k).div_ceil(bn) + e;
     let offsets = DevBuf::alloc(gpu, e * 4)?;
     let cursor = DevBuf::alloc(gpu, e * 4)?;
@@ -284,29 +287,29 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     mo::scatter(c, &mo::ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok: assign_tok.ptr, slot_pos: slot_pos.ptr, t: t as i32, topk: k as i32, ..Default::default() }, e)?;
     let inter = w.experts.gate.rows;
     let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
-    let grouped = || ops::Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };
-    ops::gemm(c, &w.experts.gate, Some(&w.experts.up), &xp, assign_tok.ptr, t * k, Some(grouped()), hbuf.ptr, inter)?;
+    let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };
+    gemm(c, &w.experts.gate, Some(&w.experts.up), &xp, assign_tok.ptr, t * k, Some(grouped()), hbuf.ptr, inter)?;
     let ybuf = DevBuf::alloc(gpu, t * k * h * 4)?;
-    let hp = ops::gemm_x(c, hbuf.ptr, inter, t * k, inter)?;
-    ops::gemm(c, &w.experts.down, None, &hp, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
+    let hp = gemm_x(c, hbuf.ptr, inter, t * k, inter)?;
+    gemm(c, &w.experts.down, None, &hp, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
     // Shared expert (all tokens) and its sigmoid gate.
     let mut shared_out = None;
     if let (Some(m), Some(gw)) = (&w.shared, &w.shared_gate) {
         let sg = b.tensor(t, 1)?;
-        ops::matmul_x(c, gw, x.ptr(), h, &xp, t, sg.ptr(), 1)?;
+        matmul_x(c, gw, x.ptr(), h, &xp, t, sg.ptr(), 1)?;
         let is = m.gate_proj.rows;
         let sh_h = b.tensor(t, is)?;
         if t <= 8 {
             let gt = b.tensor(t, is)?;
             let up = b.tensor(t, is)?;
-            ops::matmul(c, &m.gate_proj, x.ptr(), h, t, gt.ptr(), is)?;
-            ops::matmul(c, &m.up_proj, x.ptr(), h, t, up.ptr(), is)?;
-            ops::silu_mul(c, gt.ptr(), up.ptr(), sh_h.ptr(), t * is)?;
+            matmul(c, &m.gate_proj, x.ptr(), h, t, gt.ptr(), is)?;
+            matmul(c, &m.up_proj, x.ptr(), h, t, up.ptr(), is)?;
+            silu_mul(c, gt.ptr(), up.ptr(), sh_h.ptr(), t * is)?;
         } else {
-            ops::gemm(c, &m.gate_proj, Some(&m.up_proj), &xp, 0, t, None, sh_h.ptr(), is)?;
+            gemm(c, &m.gate_proj, Some(&m.up_proj), &xp, 0, t, None, sh_h.ptr(), is)?;
         }
         let sh = b.tensor(t, h)?;
-        ops::matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
+        matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
         shared_out = Some((sh, sg));
     }
     let out = b.tensor(t, h)?;

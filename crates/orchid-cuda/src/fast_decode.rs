@@ -1,4 +1,4 @@
-//! The engine's fast single-sequence decode on CUDA: [`GraphDecoder`] implements
+//! The engine's fast single-sequence decode on CUDA: [`GraphFastDecode`] implements
 //! `orchid_model::FastDecode` with one [`DecodeGraph`] per (state slot, greedy/sampled), captured
 //! on first use and kept for the life of the engine (a slot's state buffers never move, so a
 //! graph stays valid when the slot is freed and handed to the next request).
@@ -24,13 +24,10 @@ use orchid_model::error::{Error, Result};
 use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode};
 use orchid_model::Model;
 
-use crate::decode::DecodeGraph;
+use crate::decode_graph::DecodeGraph;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
 use crate::CudaBackend;
-
-/// Capacity of a graph's token log (not used by the engine; the log stops at this many).
-const LOG_STEPS: usize = 16;
 
 struct Cached {
     graph: DecodeGraph,
@@ -43,18 +40,13 @@ struct Cached {
 
 /// Cached decode graphs per (slot, greedy); see the module docs.
 #[derive(Default)]
-pub struct GraphDecoder {
+pub struct GraphFastDecode {
     graphs: HashMap<(usize, bool), Cached>,
 }
 
-impl GraphDecoder {
-    pub fn new() -> GraphDecoder {
-        GraphDecoder::default()
-    }
-
-    /// Graphs captured so far.
-    pub fn graphs(&self) -> usize {
-        self.graphs.len()
+impl GraphFastDecode {
+    pub fn new() -> GraphFastDecode {
+        GraphFastDecode::default()
     }
 }
 
@@ -76,7 +68,7 @@ pub fn sample_params(s: &DeviceSampling) -> SampleParams {
     }
 }
 
-impl FastDecode<CudaBackend> for GraphDecoder {
+impl FastDecode<CudaBackend> for GraphFastDecode {
     fn name(&self) -> &str {
         "cuda graph"
     }
@@ -93,7 +85,7 @@ impl FastDecode<CudaBackend> for GraphDecoder {
             }
             None => {
                 let t = std::time::Instant::now();
-                let graph = DecodeGraph::new(model, state, slot, p, LOG_STEPS)?;
+                let graph = DecodeGraph::new(model, state, slot, p)?;
                 tracing::info!(
                     "decode graph for slot {slot} ({}) captured in {:.0} ms: {} kernels per step, pdl {}",
                     if key.1 { "greedy" } else { "sampled" },
@@ -120,7 +112,7 @@ impl FastDecode<CudaBackend> for GraphDecoder {
                 c.graph.set_input(step.token, step.pos)?;
                 c.token = Some(step.token);
             }
-            // The counter only feeds the seeded generator (and the unused token log).
+            // The counter only feeds the seeded generator.
             if !key.1 && c.counter != Some(step.index) {
                 c.counter = None;
                 c.graph.set_step(step.index)?;

@@ -1,0 +1,87 @@
+//! What the CUDA backend is told by its user: the binary builds a [`CudaOptions`] once (from its
+//! flags and the environment) and passes it to [`crate::CudaBackend::new`]; tests construct one.
+//! The library itself reads no environment variables.
+
+use std::path::PathBuf;
+
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// Chain the decode graph's kernels with programmatic dependent launch (compute capability
+    /// 9.0 or newer; if the driver refuses it, the capture falls back without it by itself).
+    pub pdl: bool,
+    /// Synchronise after every launch outside a graph capture, so that a fault names its kernel
+    /// (debugging; slow).
+    pub sync_check: bool,
+    /// Folder of the compiled-kernel cache (None: compile at every start).
+    pub kernel_cache: Option<PathBuf>,
+    /// CUDA toolkit folders, tried in order for NVRTC (`lib64/libnvrtc.so*`, when it is not on
+    /// the loader's path) and its headers (`include`, `include/cccl`).
+    pub cuda_roots: Vec<PathBuf>,
+    /// Header folders for NVRTC (`cuda_bf16.h`, cccl) tried before those of `cuda_roots`.
+    pub include_dirs: Vec<PathBuf>,
+    /// Launch shapes.
+    pub tuning: Tuning,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            pdl: true,
+            sync_check: false,
+            kernel_cache: None,
+            cuda_roots: vec![PathBuf::from("/usr/local/cuda")],
+            include_dirs: Vec::new(),
+            tuning: Tuning::default(),
+        }
+    }
+}
+
+/// Launch-shape knobs (for A/B measurements without a rebuild); the defaults are the shapes
+/// measured best (docs/perf-log.md). Out-of-range values are clamped by [`Tuning::clamped`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tuning {
+    /// Decode matvec blocks per SM assumed by the one-wave launch shapes (1..=3: registers).
+    pub gemv_per_sm: usize,
+    /// Warps per 16-row tile of `moe_up` (0: by K, `ops::moe_decode::moe_up_ksplit`; at most 8).
+    pub moe_up_ksplit: usize,
+    /// K parts of the decode router matvec (1..=`ops::gemv::ROUTER_KPARTS`).
+    pub router_kparts: usize,
+    /// Splits of the decode attention inside the CUDA graph (1..=`ops::attention::MAX_SPLITS`).
+    pub attn_splits: usize,
+    /// Key tiles per split at least in the graph's decode attention (short contexts: fewer splits).
+    pub attn_min_tiles: usize,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning { gemv_per_sm: 3, moe_up_ksplit: 0, router_kparts: 8, attn_splits: 64, attn_min_tiles: 8 }
+    }
+}
+
+impl Tuning {
+    /// Every knob within the range its kernels support.
+    pub fn clamped(&self) -> Tuning {
+        Tuning {
+            gemv_per_sm: self.gemv_per_sm.clamp(1, crate::ops::gemv::GEMV_BLOCKS_PER_SM),
+            moe_up_ksplit: self.moe_up_ksplit.min(8),
+            router_kparts: self.router_kparts.clamp(1, crate::ops::gemv::ROUTER_KPARTS),
+            attn_splits: self.attn_splits.clamp(1, crate::ops::attention::MAX_SPLITS),
+            attn_min_tiles: self.attn_min_tiles.min(4096),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_within_range() {
+        let t = Tuning::default();
+        assert_eq!(t.clamped(), t);
+        let wild = Tuning { gemv_per_sm: 9, moe_up_ksplit: 99, router_kparts: 0, attn_splits: 1 << 20, attn_min_tiles: 1 << 20 };
+        let c = wild.clamped();
+        assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
+        assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);
+    }
+}

@@ -1,0 +1,62 @@
+//! The settings orchid takes from the environment, read once here and passed to the libraries
+//! (which read no environment variables):
+//!
+//! - `ORCHID_PDL=0`: capture the CUDA decode graph without programmatic dependent launch.
+//! - `ORCHID_SYNC_CHECK=1`: synchronise after every CUDA launch, so that a fault names its kernel.
+//! - `ORCHID_KERNEL_CACHE`: the compiled-kernel cache (default `$XDG_CACHE_HOME/orchid/kernels`,
+//!   else `~/.cache/orchid/kernels`).
+//! - `ORCHID_CUDA_HOME`, `CUDA_HOME`, `CUDA_PATH`: CUDA toolkit folders (NVRTC, headers), tried
+//!   before `/usr/local/cuda`; `ORCHID_CUDA_INCLUDE`: header folders (a path list).
+//! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
+//!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES).
+//! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn off(v: &str) -> bool {
+    matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no")
+}
+
+fn tune(name: &str, default: usize) -> usize {
+    var(&format!("ORCHID_TUNE_{name}")).and_then(|v| v.trim().parse().ok()).unwrap_or(default)
+}
+
+/// The CUDA backend's options.
+pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
+    static OPTS: OnceLock<orchid_cuda::CudaOptions> = OnceLock::new();
+    OPTS.get_or_init(|| {
+        let d = orchid_cuda::CudaOptions::default();
+        let kernel_cache = var("ORCHID_KERNEL_CACHE")
+            .map(PathBuf::from)
+            .or_else(|| var("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("orchid/kernels")))
+            .or_else(|| var("HOME").map(|p| PathBuf::from(p).join(".cache/orchid/kernels")))
+            .unwrap_or_else(|| std::env::temp_dir().join("orchid-kernels"));
+        let mut cuda_roots: Vec<PathBuf> = ["ORCHID_CUDA_HOME", "CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| var(v)).map(PathBuf::from).collect();
+        cuda_roots.extend(d.cuda_roots.iter().cloned());
+        let t = &d.tuning;
+        orchid_cuda::CudaOptions {
+            pdl: var("ORCHID_PDL").is_none_or(|v| !off(&v)),
+            sync_check: var("ORCHID_SYNC_CHECK").is_some_and(|v| !off(&v)),
+            kernel_cache: Some(kernel_cache),
+            cuda_roots,
+            include_dirs: var("ORCHID_CUDA_INCLUDE").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default(),
+            tuning: orchid_cuda::Tuning {
+                gemv_per_sm: tune("GEMV_PER_SM", t.gemv_per_sm),
+                moe_up_ksplit: tune("MOE_UP_KSPLIT", t.moe_up_ksplit),
+                router_kparts: tune("ROUTER_KPARTS", t.router_kparts),
+                attn_splits: tune("ATTN_SPLITS", t.attn_splits),
+                attn_min_tiles: tune("ATTN_MIN_TILES", t.attn_min_tiles),
+            },
+        }
+    })
+}
+
+/// Whether the engine may decode a lone sequence through the backend's fast decoder.
+pub fn decode_graph() -> bool {
+    var("ORCHID_DECODE_GRAPH").is_none_or(|v| !off(&v))
+}
