@@ -27,6 +27,7 @@
 
 pub mod access_log;
 pub mod anthropic;
+pub mod blocks;
 pub mod body;
 pub mod chat;
 pub mod chat_output;

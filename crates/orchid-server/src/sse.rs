@@ -24,17 +24,17 @@ pub const KEEPALIVE: Duration = Duration::from_secs(15);
 /// A streaming response from a stream of JSON chunks. Dropping the response body (the client
 /// went away) drops `chunks`.
 pub fn sse_response(chunks: impl Stream<Item = Value> + Send + 'static) -> Response {
-    sse_body(Events::new(Box::pin(chunks), true))
+    sse_body(Events::new(Box::pin(chunks), true, KEEPALIVE))
 }
 
 /// Like [`sse_response`] for a stream of ready-made events (e.g. `event: NAME\ndata: ..`),
 /// ending without `[DONE]` (the Responses and Anthropic formats have their own last event).
 pub fn sse_events_response(events: impl Stream<Item = Bytes> + Send + 'static) -> Response {
     let chunks = futures::StreamExt::map(events, Raw);
-    sse_body(Events::new(Box::pin(chunks), false))
+    sse_body(Events::new(Box::pin(chunks), false, KEEPALIVE))
 }
 
-/// A pre-formatted event, carried through `Events` as a JSON string marker.
+/// A pre-formatted event.
 struct Raw(Bytes);
 
 fn sse_body<T: Chunk + 'static>(events: Events<T>) -> Response {
@@ -75,11 +75,12 @@ struct Events<T> {
     done: bool,
     done_sent: bool,
     keepalive: Pin<Box<tokio::time::Sleep>>,
+    every: Duration,
 }
 
 impl<T> Events<T> {
-    fn new(inner: Pin<Box<dyn Stream<Item = T> + Send>>, done: bool) -> Events<T> {
-        Events { inner: Some(inner), done, done_sent: false, keepalive: Box::pin(tokio::time::sleep(KEEPALIVE)) }
+    fn new(inner: Pin<Box<dyn Stream<Item = T> + Send>>, done: bool, every: Duration) -> Events<T> {
+        Events { inner: Some(inner), done, done_sent: false, keepalive: Box::pin(tokio::time::sleep(every)), every }
     }
 }
 
@@ -92,13 +93,13 @@ impl<T: Chunk> Stream for Events<T> {
             match catch_unwind(AssertUnwindSafe(|| inner.as_mut().poll_next(cx))) {
                 Ok(Poll::Pending) => {
                     if this.keepalive.as_mut().poll(cx).is_ready() {
-                        this.keepalive.as_mut().reset(tokio::time::Instant::now() + KEEPALIVE);
+                        this.keepalive.as_mut().reset(tokio::time::Instant::now() + this.every);
                         return Poll::Ready(Some(Ok(Bytes::from_static(b": keep-alive\n\n"))));
                     }
                     return Poll::Pending;
                 }
                 Ok(Poll::Ready(Some(v))) => {
-                    this.keepalive.as_mut().reset(tokio::time::Instant::now() + KEEPALIVE);
+                    this.keepalive.as_mut().reset(tokio::time::Instant::now() + this.every);
                     return Poll::Ready(Some(Ok(v.into_bytes())));
                 }
                 Ok(Poll::Ready(None)) => this.inner = None,
@@ -138,13 +139,13 @@ mod tests {
         );
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn silent_streams_get_keepalive_comments() {
         let slow = futures::stream::once(async {
-            tokio::time::sleep(KEEPALIVE * 2 + Duration::from_secs(1)).await;
+            tokio::time::sleep(Duration::from_millis(250)).await;
             json!(1)
         });
-        let text = body_text(sse_response(slow)).await;
+        let text = body_text(sse_body(Events::new(Box::pin(slow), true, Duration::from_millis(100)))).await;
         assert_eq!(text, ": keep-alive\n\n: keep-alive\n\ndata: 1\n\ndata: [DONE]\n\n");
     }
 
