@@ -111,6 +111,7 @@ fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
                 }
                 _ => return Err(bad("thinking.budget_tokens", "`thinking.budget_tokens` must be an integer")),
             },
+            Some("adaptive") => {}
             Some("disabled") => {
                 chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": false}));
             }
