@@ -178,6 +178,13 @@ def test_anthropic_tool_use(claude):
     assert follow.content[-1].text == CONTENT
 
 
+def test_anthropic_count_tokens(claude, client):
+    n = claude.messages.count_tokens(model="tiny-scripted", system="Be brief.", messages=[{"role": "user", "content": QUESTION}])
+    r = client.chat.completions.create(model="tiny-scripted", max_tokens=1, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
+    assert n.input_tokens == r.usage.prompt_tokens
+
+
 def test_anthropic_errors(claude, server):
     import anthropic
 

@@ -13,6 +13,7 @@
 //! `message_start`, `content_block_start`, `content_block_delta` (`thinking_delta`,
 //! `text_delta`, `input_json_delta`), `content_block_stop`, `message_delta`, `message_stop`.
 //! Errors use Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
+//! `POST /v1/messages/count_tokens` answers `{"input_tokens": N}` for the same request.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -72,6 +73,27 @@ async fn run(st: AppState, body: Result<JsonBody, ApiError>) -> Result<Response,
     let run = runs.pop().ok_or_else(|| ApiError::internal("no generation was started"))?;
     let m = Message { run, blocks: Blocks::default(), id: new_id("msg_"), model: st.config.model_id.clone(), stops: req.common.stop };
     if stream { Ok(m.into_sse()) } else { m.collect().await }
+}
+
+/// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt the same request to
+/// `/v1/messages` would run (`max_tokens` is not needed here).
+pub async fn count_tokens(State(st): State<AppState>, body: Result<JsonBody, ApiError>) -> Response {
+    let count = async {
+        let JsonBody(mut body) = body?;
+        body.entry("max_tokens").or_insert(json!(1));
+        body.remove("stream");
+        let chat = to_chat(&body)?;
+        let req = validate::chat_request(&chat, &st.config.sampling_defaults).map_err(rename_params)?;
+        st.check_model(req.common.model.as_deref())?;
+        st.ready()?;
+        let template = st.template.clone().ok_or_else(|| ApiError::bad_request("This model has no chat template."))?;
+        let tok = st.tokenizer.clone();
+        AppState::blocking(move || crate::chat::plan(&template, &tok, &req).map(|p| p.prompt.len())).await
+    };
+    match count.await {
+        Ok(n) => axum::Json(json!({"input_tokens": n})).into_response(),
+        Err(e) => anthropic_error(&e),
+    }
 }
 
 fn rename_params(mut e: ApiError) -> ApiError {

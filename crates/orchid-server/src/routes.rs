@@ -27,6 +27,7 @@ fn endpoints() -> Router<AppState> {
         .route("/v1/models/{*model}", get(model))
         .route("/v1/responses", post(crate::responses::responses))
         .route("/v1/messages", post(crate::anthropic::messages))
+        .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
         .route("/tokenize", post(crate::tokenize::tokenize))
         .route("/detokenize", post(crate::tokenize::detokenize))
         .route("/health", get(health))
