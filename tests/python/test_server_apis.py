@@ -147,6 +147,10 @@ def test_anthropic_message(claude):
     assert m.stop_reason == "end_turn" and m.usage.input_tokens > 0 and m.usage.output_tokens > 0
     short = claude.messages.create(model="tiny-scripted", max_tokens=3, messages=[{"role": "user", "content": QUESTION}])
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    stopped = claude.messages.create(model="tiny-scripted", max_tokens=64, extra_body=GREEDY, stop_sequences=["clock"],
+                                     messages=[{"role": "user", "content": QUESTION}])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "clock")
+    assert stopped.content[-1].text == CONTENT[:CONTENT.index("clock")]
 
 
 def test_anthropic_streaming(claude):

@@ -1,5 +1,5 @@
 //! The router: endpoints, the fallbacks for unknown routes and methods, the body limit, a
-//! panic guard per request, and the request counter.
+//! panic guard per request, the request counter, and request ids with the access log.
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};

@@ -1,6 +1,7 @@
 //! Request bodies -> validated requests. Every invalid value is a 400 naming the field in
-//! `param`; unknown fields are ignored; features this server does not have (n > 1, image
-//! parts, logit_bias, JSON response formats) are rejected rather than silently ignored.
+//! `param`; unknown fields are ignored (and logged once per name, see `extras`); features this
+//! server does not have (image parts, JSON response formats, beam search ...) are rejected
+//! rather than silently ignored.
 
 use orchid_engine::sampling::SamplingParams;
 use serde_json::{Map, Value};
