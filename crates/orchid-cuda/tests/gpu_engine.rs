@@ -117,7 +117,7 @@ impl Outcome {
                 self.with_logprob += logprob.is_some() as usize;
                 true
             }
-            Some(Event::Finished { reason, text, usage }) => {
+            Some(Event::Finished { reason, text, usage, .. }) => {
                 self.text.push_str(&text);
                 self.finish = Some(reason);
                 self.completion_tokens = usage.completion_tokens;

@@ -32,7 +32,7 @@ use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode,
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::detokenize::Detokenizer;
-use crate::request::{Event, FinishReason, GenerateRequest, SubmitError, Usage};
+use crate::request::{Event, FinishReason, GenerateRequest, StopReason, SubmitError, Usage};
 use crate::sampling::{Rng, Sampler, SamplingParams, logprobs};
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::tokenizer::Tokenizer;
@@ -259,6 +259,8 @@ struct Seq {
     fast_ok: bool,
     /// Seed of the device sampler (the request's, else a random one).
     device_seed: u64,
+    /// Inside a budgeted reasoning block (`req.thinking`) whose end token was not seen yet.
+    thinking_open: bool,
 }
 
 impl Seq {
@@ -268,6 +270,29 @@ impl Seq {
     /// Position of the next token fed to the model.
     fn position(&self) -> usize {
         if self.decoding() { self.prompt.len() + self.generated.len() - 1 } else { self.prefilled }
+    }
+    /// The token the next step must produce instead of sampling: `</think>` once the thinking
+    /// budget is spent.
+    fn forced(&self) -> Option<u32> {
+        let t = self.req.thinking?;
+        (self.thinking_open && self.generated.len() >= t.budget).then_some(t.end_token)
+    }
+    /// Whether the next token needs the host sampler (a forced token, or end tokens that are
+    /// banned until `min_tokens`), so the fast decoder must not pick it.
+    fn needs_host(&self) -> bool {
+        self.forced().is_some() || self.generated.len() < self.req.min_tokens
+    }
+    /// The next token from this sequence's logits row.
+    fn next_token(&mut self, logits: &[f32], valid: usize) -> u32 {
+        if let Some(t) = self.forced() {
+            return t;
+        }
+        if self.generated.len() < self.req.min_tokens {
+            self.sampler.banned.clone_from(&self.req.stop_token_ids);
+        } else {
+            self.sampler.banned.clear();
+        }
+        self.sampler.sample(logits, valid)
     }
 }
 
@@ -347,6 +372,7 @@ impl<B: Backend> Engine<B> {
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             self.stats.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
             let req = *req;
+            let req_thinking = req.thinking.is_some();
             let fast_ok = device_sampling_ok(&req);
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
@@ -354,13 +380,14 @@ impl<B: Backend> Engine<B> {
                 prompt: req.prompt.clone(),
                 prefilled: 0,
                 generated: Vec::new(),
-                sampler: Sampler::new(req.sampling.clone(), &req.prompt),
+                sampler: Sampler::new(req.sampling.clone(), &req.prompt).with_bias(req.logit_bias.clone()),
                 detok: Detokenizer::with_context(self.tokenizer.clone(), req.skip_special_tokens, &req.prompt),
                 stop: StopMatcher::new(req.stop.clone()),
                 req,
                 tx,
                 fast_ok,
                 device_seed,
+                thinking_open: req_thinking,
             });
         }
     }
@@ -429,7 +456,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
             let l = &logits[row * v..(row + 1) * v];
-            let tok = s.sampler.sample(l, valid);
+            let tok = s.next_token(l, valid);
             let lp = s.req.logprobs.map(|n| logprobs(l, valid, tok, n));
             if !emit(s, tok, lp, self.max_context) {
                 done.push(i);
@@ -443,7 +470,7 @@ impl<B: Backend> Engine<B> {
     /// docs); false when the generic step has to run instead.
     fn fast_step(&mut self) -> bool {
         let Some(fast) = self.fast.as_mut() else { return false };
-        if self.running.len() != 1 || !self.running[0].decoding() || !self.running[0].fast_ok {
+        if self.running.len() != 1 || !self.running[0].decoding() || !self.running[0].fast_ok || self.running[0].needs_host() {
             return false;
         }
         let s = &self.running[0];
@@ -503,11 +530,13 @@ impl<B: Backend> Engine<B> {
 }
 
 /// Whether the fast decoder's device sampler can serve `req` as the host sampler would: no
-/// penalties, no logprobs, finite parameters (temperature, top-k, top-p, min-p and the seed are
-/// what it implements).
+/// penalties, no logit bias, no logprobs, finite parameters (temperature, top-k, top-p, min-p and
+/// the seed are what it implements). Forced and banned tokens (thinking budget, `min_tokens`)
+/// are decided per step: those steps run the generic path.
 pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
     let p: &SamplingParams = &req.sampling;
     req.logprobs.is_none()
+        && req.logit_bias.is_empty()
         && p.repetition_penalty == 1.0
         && p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0
@@ -519,10 +548,25 @@ pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
 fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_context: usize) -> bool {
     s.sampler.observe(tok);
     s.generated.push(tok);
+    if s.req.thinking.is_some_and(|t| t.end_token == tok) {
+        s.thinking_open = false;
+    }
     let usage = Usage { prompt_tokens: s.prompt.len(), completion_tokens: s.generated.len() };
     let finish = |s: &mut Seq, reason: FinishReason, text: String| {
-        let _ = s.tx.send(Event::Finished { reason, text, usage });
+        let stop_reason = match reason {
+            FinishReason::Length => None,
+            FinishReason::Stop => match s.stop.matched() {
+                Some(m) => Some(StopReason::Text(m.to_string())),
+                None => Some(StopReason::Token(tok)),
+            },
+        };
+        let _ = s.tx.send(Event::Finished { reason, text, usage, stop_reason });
         false
+    };
+    // The text before a matched stop string, plus the stop string when the request keeps it.
+    let stopped = |s: &Seq, t: String| match s.stop.matched() {
+        Some(m) if s.req.include_stop_str => t + m,
+        _ => t,
     };
     if s.req.stop_token_ids.contains(&tok) {
         // The end-of-turn token is not text; release what was held back.
@@ -532,13 +576,14 @@ fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_co
         let rest = s.detok.finish();
         let text = match s.stop.push(&rest) {
             StopOutcome::Continue(t) => t + &s.stop.flush(),
-            StopOutcome::Stopped(t) => t,
+            StopOutcome::Stopped(t) => stopped(s, t),
         };
         return finish(s, FinishReason::Stop, text);
     }
     let piece = s.detok.push(tok);
     match s.stop.push(&piece) {
         StopOutcome::Stopped(t) => {
+            let t = stopped(s, t);
             if s.tx.send(Event::Token { id: tok, text: t, logprob: lp }).is_err() {
                 return false;
             }
@@ -554,7 +599,10 @@ fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_co
             }
             let rest = s.detok.finish();
             match s.stop.push(&rest) {
-                StopOutcome::Stopped(t) => finish(s, FinishReason::Stop, t),
+                StopOutcome::Stopped(t) => {
+                    let t = stopped(s, t);
+                    finish(s, FinishReason::Stop, t)
+                }
                 StopOutcome::Continue(t) => {
                     let text = t + &s.stop.flush();
                     finish(s, FinishReason::Length, text)

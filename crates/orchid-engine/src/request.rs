@@ -1,5 +1,7 @@
 //! What a client asks the engine for, and what it gets back.
 
+use std::collections::HashMap;
+
 use crate::sampling::{SamplingParams, TokenLogprob};
 
 /// One generation request, already tokenized.
@@ -17,6 +19,23 @@ pub struct GenerateRequest {
     pub logprobs: Option<usize>,
     /// Leave special tokens (e.g. `<think>`) out of the text.
     pub skip_special_tokens: bool,
+    /// The stop token ids cannot be sampled before this many tokens were generated.
+    pub min_tokens: usize,
+    /// A matched stop string is part of the text (it still ends generation).
+    pub include_stop_str: bool,
+    /// Added to the logits of these token ids before sampling (OpenAI `logit_bias`).
+    pub logit_bias: HashMap<u32, f32>,
+    /// Bounded reasoning: see [`ThinkingBudget`].
+    pub thinking: Option<ThinkingBudget>,
+}
+
+/// A reasoning budget: the prompt leaves the model inside `<think>`; once `budget` tokens were
+/// generated without `end_token` (`</think>`), `end_token` is forced as the next token (not
+/// sampled), so the model goes on with its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ThinkingBudget {
+    pub budget: usize,
+    pub end_token: u32,
 }
 
 impl GenerateRequest {
@@ -29,7 +48,17 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             logprobs: None,
             skip_special_tokens: false,
+            min_tokens: 0,
+            include_stop_str: false,
+            logit_bias: HashMap::new(),
+            thinking: None,
         }
+    }
+}
+
+impl Default for GenerateRequest {
+    fn default() -> Self {
+        GenerateRequest::new(Vec::new())
     }
 }
 
@@ -50,6 +79,15 @@ impl FinishReason {
     }
 }
 
+/// What ended a generation with [`FinishReason::Stop`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// One of the request's `stop_token_ids`.
+    Token(u32),
+    /// One of the request's stop strings.
+    Text(String),
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Usage {
     pub prompt_tokens: usize,
@@ -62,8 +100,9 @@ pub enum Event {
     /// A generated token and the text it completes (possibly empty: half a character, or text
     /// held back because it may start a stop string).
     Token { id: u32, text: String, logprob: Option<TokenLogprob> },
-    /// Generation ended; `text` is any text released at the end.
-    Finished { reason: FinishReason, text: String, usage: Usage },
+    /// Generation ended; `text` is any text released at the end; `stop_reason` is what
+    /// stopped it (None at the length limit).
+    Finished { reason: FinishReason, text: String, usage: Usage, stop_reason: Option<StopReason> },
     Error(String),
 }
 

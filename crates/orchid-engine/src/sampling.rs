@@ -104,13 +104,23 @@ pub struct Sampler {
     seen: HashMap<u32, ()>,
     /// Output token counts for presence/frequency penalties.
     counts: HashMap<u32, u32>,
+    /// Added to these tokens' logits before anything else (`logit_bias`).
+    bias: HashMap<u32, f32>,
+    /// Tokens that cannot be chosen right now (e.g. end tokens before `min_tokens`).
+    pub banned: Vec<u32>,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Sampler {
         let rng = params.seed.map_or_else(Rng::from_entropy, Rng::new);
         let seen = if params.repetition_penalty != 1.0 { prompt.iter().map(|&t| (t, ())).collect() } else { HashMap::new() };
-        Sampler { params, rng, seen, counts: HashMap::new() }
+        Sampler { params, rng, seen, counts: HashMap::new(), bias: HashMap::new(), banned: Vec::new() }
+    }
+
+    /// Adds `bias` to the logits of its token ids at every step.
+    pub fn with_bias(mut self, bias: HashMap<u32, f32>) -> Sampler {
+        self.bias = bias;
+        self
     }
 
     /// Records an emitted token (for penalties).
@@ -126,6 +136,16 @@ impl Sampler {
         let p = &self.params;
         let valid = valid.min(logits.len());
         let mut l: Vec<f32> = logits[..valid].to_vec();
+        for (&t, &b) in &self.bias {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x += b;
+            }
+        }
+        for &t in &self.banned {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             for &t in self.seen.keys() {
                 if let Some(x) = l.get_mut(t as usize) {
@@ -236,6 +256,19 @@ mod tests {
         // masking: id 1 is beyond `valid`.
         let mut s = Sampler::new(SamplingParams::default(), &[]);
         assert_eq!(s.sample(&logits, 1), 0);
+    }
+
+    #[test]
+    fn bias_and_bans() {
+        let logits = vec![1.0, 2.0, 0.5];
+        let mut s = Sampler::new(SamplingParams::default(), &[]).with_bias([(2, 10.0)].into_iter().collect());
+        assert_eq!(s.sample(&logits, 3), 2);
+        s.banned = vec![2];
+        assert_eq!(s.sample(&logits, 3), 1);
+        let p = SamplingParams { temperature: 1.0, seed: Some(3), ..Default::default() };
+        let mut s = Sampler::new(p, &[]).with_bias([(0, -100.0)].into_iter().collect());
+        s.banned = vec![1];
+        assert!((0..50).all(|_| s.sample(&logits, 3) == 2));
     }
 
     #[test]

@@ -5,6 +5,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text generated but not yet released.
     pending: String,
+    /// The stop string that matched, once one did.
+    matched: Option<String>,
 }
 
 /// What one push released.
@@ -18,7 +20,7 @@ pub enum StopOutcome {
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> StopMatcher {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new() }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new(), matched: None }
     }
 
     pub fn push(&mut self, text: &str) -> StopOutcome {
@@ -27,8 +29,9 @@ impl StopMatcher {
             return StopOutcome::Continue(std::mem::take(&mut self.pending));
         }
         // Earliest complete match.
-        if let Some(pos) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some((pos, k)) = self.stops.iter().enumerate().filter_map(|(k, s)| Some((self.pending.find(s.as_str())?, k))).min() {
             let out = self.pending[..pos].to_string();
+            self.matched = Some(self.stops[k].clone());
             self.pending.clear();
             return StopOutcome::Stopped(out);
         }
@@ -45,6 +48,11 @@ impl StopMatcher {
         let out = self.pending[..cut].to_string();
         self.pending.drain(..cut);
         StopOutcome::Continue(out)
+    }
+
+    /// The stop string that ended the text (after `Stopped`).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Releases whatever is held back (the sequence ended without a match).

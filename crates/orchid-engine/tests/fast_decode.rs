@@ -220,3 +220,57 @@ fn unsupported_sampling_and_switches_use_the_generic_path() {
         e.shutdown(false);
     }
 }
+
+/// Forced and banned tokens (a thinking budget, `min_tokens`) and a logit bias are decided on
+/// the host: those steps run the generic path, the rest of a lone sequence the fast decoder,
+/// and the output is what the generic path alone produces.
+#[test]
+fn forced_banned_and_biased_tokens_stay_on_the_host() {
+    use orchid_engine::request::{StopReason, ThinkingBudget};
+
+    let (plain, _, tok) = start(None, false, true);
+    let (fast, log, _) = start(Some(true), false, true);
+    let base = req(&tok, PROMPTS[0], 12);
+    let free = collect(plain.submit(base.clone()).unwrap());
+    // Thinking budget: after 3 tokens the 4th is forced to `end`, whatever the model says.
+    let end = free.tokens[6];
+    let mut r = base.clone();
+    r.thinking = Some(ThinkingBudget { budget: 3, end_token: end });
+    let a = collect(plain.submit(r.clone()).unwrap());
+    let before = log.lock().unwrap().steps.len();
+    let b = collect(fast.submit(r.clone()).unwrap());
+    assert_eq!(a, b);
+    assert_eq!(&a.tokens[..3], &free.tokens[..3]);
+    assert_eq!(a.tokens[3], end);
+    let fast_steps: Vec<usize> = log.lock().unwrap().steps[before..].iter().map(|s| s.index).collect();
+    assert!(!fast_steps.contains(&3), "the forced token came from the fast decoder: {fast_steps:?}");
+    assert!(fast_steps.len() >= 6, "the fast decoder took over after the forced token: {fast_steps:?}");
+    // min_tokens: the stop token cannot come before 5 tokens; a stop token id ends it after.
+    let mut r = base.clone();
+    r.stop_token_ids = vec![free.tokens[1]];
+    let stopped = collect(plain.submit(r.clone()).unwrap());
+    assert_eq!(stopped.tokens.len(), 2);
+    r.min_tokens = 5;
+    let a = collect(plain.submit(r.clone()).unwrap());
+    let b = collect(fast.submit(r.clone()).unwrap());
+    assert_eq!(a, b);
+    assert!(a.tokens.len() >= 5 && !a.tokens[..5].contains(&free.tokens[1]), "{a:?}");
+    // logit_bias: +100 on one token makes every greedy token that one; stop reason reported.
+    let x = free.tokens[2];
+    let mut r = base.clone();
+    r.logit_bias = [(x, 100.0)].into_iter().collect();
+    r.max_tokens = 4;
+    let a = collect(plain.submit(r.clone()).unwrap());
+    let b = collect(fast.submit(r.clone()).unwrap());
+    assert_eq!((a.tokens.clone(), &a), (vec![x; 4], &b));
+    r.stop_token_ids = vec![x];
+    let mut rx = plain.submit(r).unwrap();
+    let reason = loop {
+        match rx.blocking_recv() {
+            Some(Event::Finished { stop_reason, .. }) => break stop_reason,
+            Some(Event::Token { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(reason, Some(StopReason::Token(x)));
+}

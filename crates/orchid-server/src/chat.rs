@@ -12,11 +12,13 @@
 //! - a named function: as `required`, with `<tool_call>\n<function=NAME>\n` written for it.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use orchid_engine::request::{Event, FinishReason, GenerateRequest};
+use futures::StreamExt;
+use orchid_engine::request::{Event, FinishReason, GenerateRequest, StopReason, ThinkingBudget};
 use orchid_engine::sampling::TokenLogprob;
 use orchid_engine::{ChatTemplate, Tokenizer};
 use serde_json::{Map, Value, json};
@@ -26,22 +28,22 @@ use crate::chat_output::{ChatDelta, ChatOutput, ToolDelta, prompt_opens_reasonin
 use crate::errors::ApiError;
 use crate::generation::Generation;
 use crate::openai::types::{self, Meta};
-use crate::openai::validate::{self, ChatRequest, ToolChoice};
+use crate::openai::validate::{self, ChatRequest, Common, Extras, ToolChoice};
 use crate::reasoning_parser::ReasoningParser;
 use crate::sse::sse_response;
 use crate::state::AppState;
 use crate::tool_schema::ToolSchemas;
 
 /// A rendered, tokenized chat request.
-struct Plan {
-    prompt: Vec<u32>,
+pub(crate) struct Plan {
+    pub prompt: Vec<u32>,
     /// Parse reasoning starting inside `<think>` (the prompt opened it); None: no reasoning.
-    reasoning: Option<bool>,
+    pub reasoning: Option<bool>,
     /// Tool schemas and the forced prompt suffix, when calls are parsed.
-    tools: Option<(ToolSchemas, String)>,
+    pub tools: Option<(ToolSchemas, String)>,
 }
 
-fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<Plan, ApiError> {
+pub(crate) fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<Plan, ApiError> {
     let mut kwargs = req.template_kwargs.clone();
     let forced = match &req.tool_choice {
         ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
@@ -56,7 +58,21 @@ fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<P
     } else {
         req.tools.as_deref()
     };
-    let mut text = template.render(&req.messages, tools, true, &kwargs)?;
+    let add_prompt = req.add_generation_prompt && !req.continue_final_message;
+    let mut text = template.render(&req.messages, tools, add_prompt, &kwargs)?;
+    if req.continue_final_message {
+        // Assistant prefill: the prompt ends where the final message's text ends.
+        let last = req.messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
+        match text.rfind(last).filter(|_| !last.is_empty()) {
+            Some(i) => text.truncate(i + last.len()),
+            None => {
+                return Err(ApiError::invalid(
+                    "continue_final_message",
+                    "the chat template did not render the final assistant message's text, so it cannot be continued",
+                ));
+            }
+        }
+    }
     let reasoning = if forced.is_some() {
         None
     } else {
@@ -81,11 +97,72 @@ pub(crate) fn chat_stop_ids(tok: &Tokenizer) -> Vec<u32> {
     ids
 }
 
-pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let req = validate::chat_request(&body, &st.config.sampling_defaults)?;
+/// 400 unless every token id a request names (`stop_token_ids`, `logit_bias`) is in the
+/// vocabulary.
+pub(crate) fn check_extra_ids(x: &Extras, vocab: usize) -> Result<(), ApiError> {
+    if let Some((i, id)) = x.stop_token_ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+        return Err(ApiError::invalid(
+            format!("stop_token_ids[{i}]"),
+            format!("token id {id} is outside the vocabulary (size {vocab})"),
+        ));
+    }
+    if let Some(id) = x.logit_bias.keys().find(|id| **id as usize >= vocab) {
+        return Err(ApiError::invalid(
+            format!("logit_bias.{id}"),
+            format!("token id {id} is outside the vocabulary (size {vocab})"),
+        ));
+    }
+    Ok(())
+}
+
+/// The engine request for a common request's settings: `end_ids` are the model's own
+/// end-of-turn ids (left out with `ignore_eos`); the request's `stop_token_ids` always stop.
+pub(crate) fn generate_request(c: &Common, prompt: Vec<u32>, max_tokens: usize, end_ids: Vec<u32>, logprobs: Option<usize>) -> GenerateRequest {
+    let x = &c.extras;
+    let mut stop_ids = if x.ignore_eos { Vec::new() } else { end_ids };
+    stop_ids.extend(x.stop_token_ids.iter().filter(|id| !stop_ids.contains(id)).copied().collect::<Vec<_>>());
+    GenerateRequest {
+        prompt,
+        sampling: c.sampling.clone(),
+        max_tokens,
+        stop: c.stop.clone(),
+        stop_token_ids: stop_ids,
+        logprobs,
+        skip_special_tokens: x.skip_special_tokens,
+        min_tokens: x.min_tokens.min(max_tokens),
+        include_stop_str: x.include_stop_str,
+        logit_bias: x.logit_bias.clone(),
+        thinking: None,
+    }
+}
+
+/// Submits `n` copies of `req` (a seeded request gets seeds seed, seed+1, ... so the choices
+/// differ); dropping the result cancels them all.
+pub(crate) fn submit_n(st: &AppState, req: GenerateRequest, n: usize, arrived: Instant) -> Result<Vec<Generation>, ApiError> {
+    (0..n)
+        .map(|i| {
+            let mut r = req.clone();
+            r.sampling.seed = r.sampling.seed.map(|s| s.wrapping_add(i as u64));
+            st.submit(r, arrived)
+        })
+        .collect()
+}
+
+/// `stop_reason` of a choice (vLLM): the stop string or the request's stop token id that ended
+/// it; null for the model's own end of turn and for the length limit.
+pub(crate) fn stop_reason_value(reason: &Option<StopReason>, c: &Common) -> Value {
+    match reason {
+        Some(StopReason::Text(s)) => Value::from(s.as_str()),
+        Some(StopReason::Token(id)) if c.extras.stop_token_ids.contains(id) => Value::from(*id),
+        _ => Value::Null,
+    }
+}
+
+/// A validated chat request, planned and submitted: one [`ChatRun`] per choice.
+pub(crate) async fn start_chat(st: &AppState, req: ChatRequest, arrived: Instant) -> Result<(Vec<ChatRun>, ChatRequest), ApiError> {
     st.check_model(req.common.model.as_deref())?;
     let info = st.ready()?;
+    check_extra_ids(&req.common.extras, info.vocab_size)?;
     let template = st
         .template
         .clone()
@@ -97,75 +174,115 @@ pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBo
     }
     let room = info.max_context - plan.prompt.len();
     let c = &req.common;
-    let run = st.submit(
-        GenerateRequest {
-            prompt: plan.prompt,
-            sampling: c.sampling.clone(),
-            max_tokens: c.max_tokens.unwrap_or(room).min(room),
-            stop: c.stop.clone(),
-            stop_token_ids: chat_stop_ids(&st.tokenizer),
-            logprobs: req.logprobs,
-            skip_special_tokens: true,
-        },
-        arrived,
-    )?;
-    let reasoning = match plan.reasoning {
-        Some(opened) => ReasoningParser::new(opened),
-        None => ReasoningParser::disabled(),
-    };
-    let out = ChatOutput::new(reasoning, plan.tools);
-    let meta = Meta::new("chatcmpl-", &st.config.model_id);
-    let s = ChatStream {
-        st: st.clone(),
-        run,
-        out,
-        meta,
-        logprobs: req.logprobs.is_some(),
-        include_usage: c.include_usage,
-        queue: VecDeque::new(),
-        pending_logprobs: Vec::new(),
-        ended: false,
-    };
-    if c.stream { Ok(s.into_sse()) } else { s.collect().await }
+    let mut g = generate_request(c, plan.prompt, c.max_tokens.unwrap_or(room).min(room), chat_stop_ids(&st.tokenizer), req.logprobs);
+    if plan.reasoning == Some(true)
+        && let (Some(budget), Some(end_token)) = (c.extras.thinking_token_budget, st.tokenizer.token_id("</think>"))
+    {
+        g.thinking = Some(ThinkingBudget { budget, end_token });
+    }
+    let runs = submit_n(st, g, c.extras.n, arrived)?;
+    let runs = runs
+        .into_iter()
+        .map(|run| {
+            let reasoning = match plan.reasoning {
+                Some(opened) => ReasoningParser::new(opened),
+                None => ReasoningParser::disabled(),
+            };
+            let tools = plan.tools.as_ref().map(|(s, f)| (s.clone(), f.clone()));
+            ChatRun { st: st.clone(), run, out: ChatOutput::new(reasoning, tools) }
+        })
+        .collect();
+    Ok((runs, req))
 }
 
-/// Turns engine events into chat deltas, then into chunks (streaming) or one message.
-struct ChatStream {
+pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    validate::log_unknown_fields("/v1/chat/completions", &body);
+    let req = validate::chat_request(&body, &st.config.sampling_defaults)?;
+    let (runs, req) = start_chat(&st, req, arrived).await?;
+    let meta = Meta::new("chatcmpl-", &st.config.model_id);
+    let c = &req.common;
+    let totals = Arc::new(Mutex::new(Totals::default()));
+    let streams: Vec<ChatStream> = runs
+        .into_iter()
+        .enumerate()
+        .map(|(index, run)| ChatStream {
+            run,
+            index,
+            meta: meta.clone(),
+            logprobs: req.logprobs.is_some(),
+            include_usage: c.include_usage,
+            common: c.clone(),
+            totals: totals.clone(),
+            queue: VecDeque::new(),
+            pending_logprobs: Vec::new(),
+            ended: false,
+        })
+        .collect();
+    if c.stream {
+        Ok(into_sse(streams, meta, c.include_usage, totals))
+    } else {
+        collect(streams, &meta, &totals).await
+    }
+}
+
+/// Usage summed over the choices of one response (the prompt counted once).
+#[derive(Default)]
+pub(crate) struct Totals {
+    pub prompt: usize,
+    pub completion: usize,
+    pub reasoning: usize,
+}
+
+impl Totals {
+    pub fn add(&mut self, prompt: usize, completion: usize, reasoning: usize) {
+        self.prompt = prompt;
+        self.completion += completion;
+        self.reasoning += reasoning;
+    }
+
+    pub fn usage(&self) -> Value {
+        types::usage(self.prompt, self.completion, Some(self.reasoning))
+    }
+
+    /// Without the reasoning detail (completions).
+    pub fn usage_plain(&self) -> Value {
+        types::usage(self.prompt, self.completion, None)
+    }
+}
+
+/// One choice of a chat request as it runs: the engine's events turned into [`ChatDelta`]s.
+/// The OpenAI chat endpoint, the Responses API and the Anthropic Messages API all read it.
+pub(crate) struct ChatRun {
     st: AppState,
-    run: Generation,
-    out: ChatOutput,
-    meta: Meta,
-    logprobs: bool,
-    include_usage: bool,
-    /// Chunks ready to send.
-    queue: VecDeque<Value>,
-    /// Logprobs of tokens whose text has not been sent yet.
-    pending_logprobs: Vec<TokenLogprob>,
-    ended: bool,
+    pub run: Generation,
+    pub out: ChatOutput,
 }
 
 /// One step of a generation as the client sees it.
-enum Step {
+pub(crate) enum Step {
     Delta(ChatDelta),
     /// The generation finished: the text released at the end, then why.
     Finished {
         last: ChatDelta,
         reason: FinishReason,
+        stop_reason: Option<StopReason>,
         prompt: usize,
         completion: usize,
     },
     Failed(ApiError),
 }
 
-impl ChatStream {
-    async fn step(&mut self) -> Step {
+impl ChatRun {
+    pub async fn step(&mut self) -> Step {
         match self.run.next().await {
             Some(Event::Token { text, logprob, .. }) => Step::Delta(self.out.token(&text, logprob)),
-            Some(Event::Finished { reason, text, usage }) => {
+            Some(Event::Finished { reason, text, usage, stop_reason }) => {
                 let last = self.out.finish(&text);
                 Step::Finished {
                     last,
                     reason,
+                    stop_reason,
                     prompt: usage.prompt_tokens,
                     completion: usage.completion_tokens,
                 }
@@ -176,7 +293,7 @@ impl ChatStream {
     }
 
     /// `stop`/`length`, or `tool_calls` when the model stopped after calling tools.
-    fn finish_reason(&mut self, reason: FinishReason) -> &'static str {
+    pub fn finish_reason(&mut self, reason: FinishReason) -> &'static str {
         let r = match reason {
             FinishReason::Stop if self.out.tool_calls() > 0 => "tool_calls",
             r => r.as_str(),
@@ -184,21 +301,65 @@ impl ChatStream {
         self.run.record(r);
         r
     }
+}
 
-    fn usage(&self, prompt: usize, completion: usize) -> Value {
-        types::usage(prompt, completion, Some(self.out.reasoning_tokens()))
+/// One choice of a chat completion: deltas into chunks (streaming) or one message.
+struct ChatStream {
+    run: ChatRun,
+    index: usize,
+    meta: Meta,
+    logprobs: bool,
+    include_usage: bool,
+    common: Common,
+    totals: Arc<Mutex<Totals>>,
+    /// Chunks ready to send.
+    queue: VecDeque<Value>,
+    /// Logprobs of tokens whose text has not been sent yet.
+    pending_logprobs: Vec<TokenLogprob>,
+    ended: bool,
+}
+
+/// A chunk of choice `index` (`extra`: more fields of the choice, e.g. `stop_reason`).
+fn chunk(s: &ChatStream, delta: Value, finish: Option<&str>, logprobs: Value, extra: Option<(&str, Value)>) -> Value {
+    let mut c = types::chat_chunk(&s.meta, delta, finish, logprobs, s.include_usage);
+    c["choices"][0]["index"] = Value::from(s.index);
+    if let Some((k, v)) = extra {
+        c["choices"][0][k] = v;
     }
+    c
+}
 
-    // ---- streaming ----
-
-    fn into_sse(mut self) -> Response {
+/// The streamed response: the choices' chunks as they come (each with its `index`), then the
+/// usage chunk when asked for.
+fn into_sse(streams: Vec<ChatStream>, meta: Meta, include_usage: bool, totals: Arc<Mutex<Totals>>) -> Response {
+    let merged = futures::stream::select_all(streams.into_iter().map(|mut s| {
         let first = json!({"role": "assistant", "content": ""});
-        let c = types::chat_chunk(&self.meta, first, None, Value::Null, self.include_usage);
-        self.queue.push_back(c);
-        sse_response(futures::stream::unfold(self, |mut s| async move {
-            s.next_chunk().await.map(|c| (c, s))
-        }))
-    }
+        let c = chunk(&s, first, None, Value::Null, None);
+        s.queue.push_back(c);
+        Box::pin(futures::stream::unfold(s, |mut s| async move { s.next_chunk().await.map(|c| (c, s)) }))
+    }));
+    let usage = futures::stream::once(async move {
+        include_usage.then(|| types::usage_chunk(&meta, "chat.completion.chunk", lock(&totals).usage()))
+    })
+    .filter_map(futures::future::ready);
+    sse_response(merged.chain(usage))
+}
+
+fn lock(t: &Mutex<Totals>) -> std::sync::MutexGuard<'_, Totals> {
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The non-streamed response: every choice collected, usage summed.
+async fn collect(streams: Vec<ChatStream>, meta: &Meta, totals: &Mutex<Totals>) -> Result<Response, ApiError> {
+    let choices = futures::future::join_all(streams.into_iter().map(ChatStream::collect)).await;
+    let choices = choices.into_iter().collect::<Result<Vec<Value>, ApiError>>()?;
+    let mut body = types::chat_completion(meta, Value::Null, "stop", Value::Null, lock(totals).usage());
+    body["choices"] = Value::Array(choices);
+    Ok(axum::Json(body).into_response())
+}
+
+impl ChatStream {
+    // ---- streaming ----
 
     async fn next_chunk(&mut self) -> Option<Value> {
         loop {
@@ -208,24 +369,23 @@ impl ChatStream {
             if self.ended {
                 return None;
             }
-            match self.step().await {
+            match self.run.step().await {
                 Step::Delta(d) => self.queue_delta(d),
                 Step::Finished {
                     last,
                     reason,
+                    stop_reason,
                     prompt,
                     completion,
                 } => {
                     self.ended = true;
                     self.queue_delta(last);
-                    let reason = self.finish_reason(reason);
-                    let lp = types::chat_logprobs(&self.st.tokenizer, self.logprobs, &std::mem::take(&mut self.pending_logprobs));
-                    self.queue
-                        .push_back(types::chat_chunk(&self.meta, json!({}), Some(reason), lp, self.include_usage));
-                    if self.include_usage {
-                        let u = self.usage(prompt, completion);
-                        self.queue.push_back(types::usage_chunk(&self.meta, "chat.completion.chunk", u));
-                    }
+                    let reason = self.run.finish_reason(reason);
+                    lock(&self.totals).add(prompt, completion, self.run.out.reasoning_tokens());
+                    let lp = types::chat_logprobs(&self.run.st.tokenizer, self.logprobs, &std::mem::take(&mut self.pending_logprobs));
+                    let sr = stop_reason_value(&stop_reason, &self.common);
+                    let c = chunk(self, json!({}), Some(reason), lp, Some(("stop_reason", sr)));
+                    self.queue.push_back(c);
                 }
                 Step::Failed(e) => {
                     self.ended = true;
@@ -244,6 +404,8 @@ impl ChatStream {
         }
         let mut text = Map::new();
         if !d.reasoning.is_empty() {
+            // `reasoning` is vLLM's current name, `reasoning_content` the older one: both.
+            text.insert("reasoning".into(), Value::from(d.reasoning.clone()));
             text.insert("reasoning_content".into(), Value::from(d.reasoning));
         }
         if !d.content.is_empty() {
@@ -267,54 +429,66 @@ impl ChatStream {
             } else {
                 Vec::new()
             };
-            let lp = types::chat_logprobs(&self.st.tokenizer, self.logprobs && !lp.is_empty(), &lp);
-            let c = types::chat_chunk(&self.meta, delta, None, lp, self.include_usage);
+            let lp = types::chat_logprobs(&self.run.st.tokenizer, self.logprobs && !lp.is_empty(), &lp);
+            let c = chunk(self, delta, None, lp, None);
             self.queue.push_back(c);
         }
     }
 
     // ---- non-streaming ----
 
-    async fn collect(mut self) -> Result<Response, ApiError> {
+    /// This choice's entry of `choices`.
+    async fn collect(mut self) -> Result<Value, ApiError> {
         let mut all = ChatDelta::default();
         let mut calls: Vec<(String, String, String)> = Vec::new();
-        let (reason, prompt, completion) = loop {
-            match self.step().await {
+        let (reason, stop_reason, prompt, completion) = loop {
+            match self.run.step().await {
                 Step::Delta(d) => absorb(&mut all, &mut calls, d),
                 Step::Finished {
                     last,
                     reason,
+                    stop_reason,
                     prompt,
                     completion,
                 } => {
                     absorb(&mut all, &mut calls, last);
-                    break (reason, prompt, completion);
+                    break (reason, stop_reason, prompt, completion);
                 }
                 Step::Failed(e) => return Err(e),
             }
         };
-        let reason = self.finish_reason(reason);
-        let mut message = json!({"role": "assistant", "content": null});
-        if !all.content.is_empty() || calls.is_empty() {
-            message["content"] = Value::from(all.content);
-        }
-        if !all.reasoning.is_empty() {
-            message["reasoning_content"] = Value::from(all.reasoning);
-        }
-        if !calls.is_empty() {
-            let calls: Vec<Value> = calls
-                .into_iter()
-                .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
-                .collect();
-            message["tool_calls"] = Value::Array(calls);
-        }
-        let lp = types::chat_logprobs(&self.st.tokenizer, self.logprobs, &all.logprobs);
-        let usage = self.usage(prompt, completion);
-        Ok(axum::Json(types::chat_completion(&self.meta, message, reason, lp, usage)).into_response())
+        let reason = self.run.finish_reason(reason);
+        lock(&self.totals).add(prompt, completion, self.run.out.reasoning_tokens());
+        let message = message_json(all.content, all.reasoning, calls);
+        let lp = types::chat_logprobs(&self.run.st.tokenizer, self.logprobs, &all.logprobs);
+        Ok(json!({
+            "index": self.index, "message": message, "logprobs": lp, "finish_reason": reason,
+            "stop_reason": stop_reason_value(&stop_reason, &self.common),
+        }))
     }
 }
 
-fn absorb(all: &mut ChatDelta, calls: &mut Vec<(String, String, String)>, d: ChatDelta) {
+/// The assistant message of a non-streamed choice.
+fn message_json(content: String, reasoning: String, calls: Vec<(String, String, String)>) -> Value {
+    let mut message = json!({"role": "assistant", "content": null});
+    if !content.is_empty() || calls.is_empty() {
+        message["content"] = Value::from(content);
+    }
+    if !reasoning.is_empty() {
+        message["reasoning"] = Value::from(reasoning.clone());
+        message["reasoning_content"] = Value::from(reasoning);
+    }
+    if !calls.is_empty() {
+        let calls: Vec<Value> = calls
+            .into_iter()
+            .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+            .collect();
+        message["tool_calls"] = Value::Array(calls);
+    }
+    message
+}
+
+pub(crate) fn absorb(all: &mut ChatDelta, calls: &mut Vec<(String, String, String)>, d: ChatDelta) {
     all.reasoning.push_str(&d.reasoning);
     all.content.push_str(&d.content);
     all.logprobs.extend(d.logprobs);

@@ -2,24 +2,28 @@
 //! a stop string or `max_tokens` (default 16, as OpenAI). No template, no parsing.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use orchid_engine::request::{Event, GenerateRequest};
+use futures::StreamExt;
+use orchid_engine::request::Event;
 use orchid_engine::sampling::TokenLogprob;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::body::JsonBody;
+use crate::chat::{Totals, check_extra_ids, generate_request, stop_reason_value, submit_n};
 use crate::errors::ApiError;
 use crate::generation::Generation;
 use crate::openai::types::{self, Meta};
-use crate::openai::validate::{self, Prompt};
+use crate::openai::validate::{self, Common, Prompt};
 use crate::sse::sse_response;
 use crate::state::AppState;
 
 pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
     let arrived = Instant::now();
+    validate::log_unknown_fields("/v1/completions", &body);
     let req = validate::completion_request(&body, &st.config.sampling_defaults)?;
     st.check_model(req.common.model.as_deref())?;
     let info = st.ready()?;
@@ -47,39 +51,61 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
     if ids.len() >= info.max_context {
         return Err(ApiError::context_length("prompt", ids.len(), info.max_context));
     }
+    check_extra_ids(&req.common.extras, info.vocab_size)?;
     let room = info.max_context - ids.len();
     let c = &req.common;
-    let run = st.submit(
-        GenerateRequest {
-            prompt: ids,
-            sampling: c.sampling.clone(),
-            max_tokens: c.max_tokens.unwrap_or(16).min(room),
-            stop: c.stop.clone(),
-            stop_token_ids: st.tokenizer.eos_token_ids().to_vec(),
-            logprobs: req.logprobs,
-            skip_special_tokens: true,
-        },
-        arrived,
-    )?;
+    let g = generate_request(c, ids, c.max_tokens.unwrap_or(16).min(room), st.tokenizer.eos_token_ids().to_vec(), req.logprobs);
+    let runs = submit_n(&st, g, c.extras.n, arrived)?;
     let echo = if req.echo { prompt_text } else { String::new() };
-    let s = CompletionStream {
-        meta: Meta::new("cmpl-", &st.config.model_id),
-        st,
-        run,
-        logprobs: req.logprobs.is_some(),
-        include_usage: c.include_usage,
-        offset: echo.len(),
-        echo,
-        pending_logprobs: Vec::new(),
-        queue: VecDeque::new(),
-        ended: false,
-    };
-    if c.stream { Ok(s.into_sse()) } else { s.collect().await }
+    let meta = Meta::new("cmpl-", &st.config.model_id);
+    let totals = Arc::new(Mutex::new(Totals::default()));
+    let streams: Vec<CompletionStream> = runs
+        .into_iter()
+        .enumerate()
+        .map(|(index, run)| CompletionStream {
+            meta: meta.clone(),
+            st: st.clone(),
+            run,
+            index,
+            common: c.clone(),
+            totals: totals.clone(),
+            logprobs: req.logprobs.is_some(),
+            include_usage: c.include_usage,
+            offset: echo.len(),
+            echo: echo.clone(),
+            pending_logprobs: Vec::new(),
+            queue: VecDeque::new(),
+            ended: false,
+        })
+        .collect();
+    if c.stream {
+        let include_usage = c.include_usage;
+        let merged = futures::stream::select_all(streams.into_iter().map(|s| Box::pin(s.into_stream())));
+        let usage = futures::stream::once(async move {
+            include_usage.then(|| types::usage_chunk(&meta, "text_completion", lock(&totals).usage_plain()))
+        })
+        .filter_map(futures::future::ready);
+        Ok(sse_response(merged.chain(usage)))
+    } else {
+        let choices = futures::future::join_all(streams.into_iter().map(CompletionStream::collect)).await;
+        let choices = choices.into_iter().collect::<Result<Vec<Value>, ApiError>>()?;
+        let mut body = types::completion(&meta, "", None, Value::Null, Some(lock(&totals).usage_plain()));
+        body["choices"] = Value::Array(choices);
+        Ok(axum::Json(body).into_response())
+    }
 }
 
+fn lock(t: &Mutex<Totals>) -> std::sync::MutexGuard<'_, Totals> {
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One choice of a completion.
 struct CompletionStream {
     st: AppState,
     run: Generation,
+    index: usize,
+    common: Common,
+    totals: Arc<Mutex<Totals>>,
     meta: Meta,
     logprobs: bool,
     include_usage: bool,
@@ -106,19 +132,19 @@ impl CompletionStream {
         let lp = self.logprobs_value();
         self.offset += text.len();
         let usage = self.include_usage.then_some(Value::Null);
-        types::completion(&self.meta, text, finish, lp, usage)
+        let mut c = types::completion(&self.meta, text, finish, lp, usage);
+        c["choices"][0]["index"] = Value::from(self.index);
+        c
     }
 
-    fn into_sse(mut self) -> Response {
+    fn into_stream(mut self) -> impl futures::Stream<Item = Value> + Send {
         if !self.echo.is_empty() {
             let echo = std::mem::take(&mut self.echo);
             self.offset = 0;
             let c = self.text_chunk(&echo, None);
             self.queue.push_back(c);
         }
-        sse_response(futures::stream::unfold(self, |mut s| async move {
-            s.next_chunk().await.map(|c| (c, s))
-        }))
+        futures::stream::unfold(self, |mut s| async move { s.next_chunk().await.map(|c| (c, s)) })
     }
 
     async fn next_chunk(&mut self) -> Option<Value> {
@@ -137,15 +163,13 @@ impl CompletionStream {
                         self.queue.push_back(c);
                     }
                 }
-                Some(Event::Finished { reason, text, usage }) => {
+                Some(Event::Finished { reason, text, usage, stop_reason }) => {
                     self.ended = true;
                     self.run.record(reason.as_str());
-                    let c = self.text_chunk(&text, Some(reason.as_str()));
+                    lock(&self.totals).add(usage.prompt_tokens, usage.completion_tokens, 0);
+                    let mut c = self.text_chunk(&text, Some(reason.as_str()));
+                    c["choices"][0]["stop_reason"] = stop_reason_value(&stop_reason, &self.common);
                     self.queue.push_back(c);
-                    if self.include_usage {
-                        let u = types::usage(usage.prompt_tokens, usage.completion_tokens, None);
-                        self.queue.push_back(types::usage_chunk(&self.meta, "text_completion", u));
-                    }
                 }
                 Some(Event::Error(m)) => {
                     self.ended = true;
@@ -156,7 +180,8 @@ impl CompletionStream {
         }
     }
 
-    async fn collect(mut self) -> Result<Response, ApiError> {
+    /// This choice's entry of `choices`.
+    async fn collect(mut self) -> Result<Value, ApiError> {
         let mut text = std::mem::take(&mut self.echo);
         let mut lps = Vec::new();
         loop {
@@ -165,14 +190,16 @@ impl CompletionStream {
                     text.push_str(&t);
                     lps.extend(logprob);
                 }
-                Some(Event::Finished { reason, text: t, usage }) => {
+                Some(Event::Finished { reason, text: t, usage, stop_reason }) => {
                     text.push_str(&t);
                     self.run.record(reason.as_str());
+                    lock(&self.totals).add(usage.prompt_tokens, usage.completion_tokens, 0);
                     self.pending_logprobs = lps;
                     let lp = self.logprobs_value();
-                    let u = types::usage(usage.prompt_tokens, usage.completion_tokens, None);
-                    let body = types::completion(&self.meta, &text, Some(reason.as_str()), lp, Some(u));
-                    return Ok(axum::Json(body).into_response());
+                    return Ok(json!({
+                        "index": self.index, "text": text, "logprobs": lp, "finish_reason": reason.as_str(),
+                        "stop_reason": stop_reason_value(&stop_reason, &self.common),
+                    }));
                 }
                 Some(Event::Error(m)) => return Err(self.st.engine_error(&m)),
                 None => return Err(ApiError::internal("the generation ended without a result")),

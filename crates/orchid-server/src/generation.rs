@@ -3,11 +3,13 @@
 //! frees its sequence slot (a client that disconnects drops the response body, which owns
 //! this).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use orchid_engine::request::Event;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::access_log::RequestLog;
 use crate::state::AppState;
 
 pub struct Generation {
@@ -20,11 +22,18 @@ pub struct Generation {
     ended: bool,
     /// Set once the handler recorded how the response ended.
     recorded: bool,
+    /// The access-log record of the HTTP request this generation serves.
+    log: Option<Arc<RequestLog>>,
 }
 
 impl Generation {
     pub(crate) fn new(rx: UnboundedReceiver<Event>, st: AppState, arrived: Instant, prompt_tokens: usize) -> Generation {
+        let log = RequestLog::current();
+        if let Some(l) = &log {
+            l.prompt(prompt_tokens);
+        }
         Generation {
+            log,
             rx,
             st,
             arrived,
@@ -51,13 +60,21 @@ impl Generation {
         match &ev {
             Event::Token { .. } => {
                 match self.last_token {
-                    None => m.ttft.observe(now - self.arrived),
+                    None => {
+                        m.ttft.observe(now - self.arrived);
+                        if let Some(l) = &self.log {
+                            l.first_token();
+                        }
+                    }
                     Some(t) => m.itl.observe(now - t),
                 }
                 self.last_token = Some(now);
             }
-            Event::Finished { .. } => {
+            Event::Finished { usage, .. } => {
                 self.ended = true;
+                if let Some(l) = &self.log {
+                    l.completion(usage.completion_tokens);
+                }
                 m.duration.observe(now - self.arrived);
             }
             Event::Error(_) => {

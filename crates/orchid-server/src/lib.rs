@@ -6,6 +6,11 @@
 //! - [`openai`]: request validation and the response objects.
 //! - [`reasoning_parser`], [`tool_parser`], [`tool_schema`], [`chat_output`]: turning the
 //!   model's text into `reasoning_content`, `content` and `tool_calls`, incrementally.
+//! - [`responses`] (`POST /v1/responses`, the OpenAI Responses API) and [`anthropic`]
+//!   (`POST /v1/messages`, the Anthropic Messages API): other wire formats over the chat
+//!   pipeline; [`tokenize`] (`/tokenize`, `/detokenize`).
+//! - [`access_log`] (request ids, one log line per request), [`vllm_metrics`] (vLLM's metric
+//!   names beside orchid's own).
 //! - [`sse`], [`metrics`], [`errors`] (the one place errors become responses), [`server`]
 //!   (listening and clean shutdown).
 //!
@@ -20,6 +25,9 @@
 //!
 //! [`EngineHandle`]: orchid_engine::engine::EngineHandle
 
+pub mod access_log;
+pub mod anthropic;
+pub mod blocks;
 pub mod body;
 pub mod chat;
 pub mod chat_output;
@@ -29,12 +37,15 @@ pub mod generation;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning_parser;
+pub mod responses;
 pub mod routes;
 pub mod server;
 pub mod sse;
 pub mod state;
 pub mod tool_parser;
+pub mod tokenize;
 pub mod tool_schema;
+pub mod vllm_metrics;
 
 pub use errors::ApiError;
 pub use routes::router;

@@ -64,16 +64,23 @@ impl Histogram {
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
+        self.render_labeled(out, name, help, "");
+    }
+
+    /// As `render`, with `labels` (`key="value",...`) on every sample.
+    pub(crate) fn render_labeled(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let (l, sep) = if labels.is_empty() { ("", "") } else { (labels, ",") };
+        let braces = if labels.is_empty() { String::new() } else { format!("{{{labels}}}") };
         let mut cum = 0;
         for (b, c) in self.bounds.iter().zip(&self.counts) {
             cum += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+            let _ = writeln!(out, "{name}_bucket{{{l}{sep}le=\"{b}\"}} {cum}");
         }
         let n = self.count();
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
-        let _ = writeln!(out, "{name}_sum {}", self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9);
-        let _ = writeln!(out, "{name}_count {n}");
+        let _ = writeln!(out, "{name}_bucket{{{l}{sep}le=\"+Inf\"}} {n}");
+        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9);
+        let _ = writeln!(out, "{name}_count{braces} {n}");
     }
 }
 
@@ -101,6 +108,11 @@ impl Metrics {
     pub fn record_request(&self, endpoint: &str, status: u16) {
         let mut m = self.requests.lock().unwrap_or_else(|p| p.into_inner());
         *m.entry((endpoint.to_string(), status)).or_insert(0) += 1;
+    }
+
+    /// Generations by how they ended, so far.
+    pub fn finishes(&self) -> Vec<(&'static str, u64)> {
+        self.finishes.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| (*k, *v)).collect()
     }
 
     pub fn record_finish(&self, reason: &'static str) {
@@ -182,7 +194,7 @@ impl Metrics {
     }
 }
 
-fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 

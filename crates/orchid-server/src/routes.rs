@@ -1,5 +1,5 @@
 //! The router: endpoints, the fallbacks for unknown routes and methods, the body limit, a
-//! panic guard per request, and the request counter.
+//! panic guard per request, the request counter, and request ids with the access log.
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
@@ -25,7 +25,13 @@ fn endpoints() -> Router<AppState> {
         .route("/v1/completions", post(crate::completions::completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
+        .route("/v1/responses", post(crate::responses::responses))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
+        .route("/tokenize", post(crate::tokenize::tokenize))
+        .route("/detokenize", post(crate::tokenize::detokenize))
         .route("/health", get(health))
+        .route("/v1/health", get(health))
         .route("/metrics", get(metrics))
 }
 
@@ -41,6 +47,8 @@ fn with_layers(routes: Router<AppState>, st: AppState) -> Router {
             ApiError::from_panic(p.as_ref()).into_response()
         }))
         .layer(middleware::from_fn_with_state(st.clone(), count_requests))
+        // Request ids and the access log see every response, the counted ones included.
+        .layer(middleware::from_fn(crate::access_log::middleware))
         .with_state(st)
 }
 
@@ -89,7 +97,8 @@ async fn health(State(st): State<AppState>) -> Response {
 
 async fn metrics(State(st): State<AppState>) -> Response {
     let info = st.engine.info();
-    let text = st.metrics.render(st.engine.stats(), info.as_ref(), st.engine.options().max_seqs);
+    let mut text = st.metrics.render(st.engine.stats(), info.as_ref(), st.engine.options().max_seqs);
+    crate::vllm_metrics::render(&st.metrics, st.engine.stats(), st.engine.options().max_seqs, &st.config.model_id, &mut text);
     let mut resp = text.into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

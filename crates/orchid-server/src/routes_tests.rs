@@ -131,7 +131,7 @@ async fn error_envelopes() {
         app.clone(),
         "POST",
         chat,
-        Some(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 3}"#),
+        Some(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 300}"#),
     )
     .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);

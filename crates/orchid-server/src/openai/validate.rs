@@ -1,6 +1,7 @@
 //! Request bodies -> validated requests. Every invalid value is a 400 naming the field in
-//! `param`; unknown fields are ignored; features this server does not have (n > 1, image
-//! parts, logit_bias, JSON response formats) are rejected rather than silently ignored.
+//! `param`; unknown fields are ignored (and logged once per name, see `extras`); features this
+//! server does not have (image parts, JSON response formats, beam search ...) are rejected
+//! rather than silently ignored.
 
 use orchid_engine::sampling::SamplingParams;
 use serde_json::{Map, Value};
@@ -20,6 +21,8 @@ pub struct Common {
     pub stream: bool,
     pub include_usage: bool,
     pub user: Option<String>,
+    /// vLLM's request extras (n, min_tokens, ignore_eos, logit_bias ...).
+    pub extras: Extras,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,6 +46,9 @@ pub struct ChatRequest {
     pub template_kwargs: Map<String, Value>,
     /// `Some(top_n)` when `logprobs` is true.
     pub logprobs: Option<usize>,
+    /// Assistant prefill: `add_generation_prompt` (default true) and `continue_final_message`.
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -58,6 +64,12 @@ pub struct CompletionRequest {
     pub echo: bool,
     pub logprobs: Option<usize>,
 }
+
+// ---- vLLM request extras (see extras.rs) ----
+#[path = "extras.rs"]
+pub mod extras;
+pub use extras::{Extras, log_unknown_fields};
+// ---- end of vLLM request extras ----
 
 /// Most alternatives a response may list per token.
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -138,16 +150,6 @@ fn kind(v: &Value) -> &'static str {
 
 fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usize>) -> Result<Common> {
     let model = f.str("model")?.map(str::to_string);
-    match f.int("n")? {
-        None | Some(1) => {}
-        Some(n) if n < 1 => return Err(ApiError::invalid("n", format!("`n` must be at least 1, got {n}"))),
-        Some(n) => {
-            return Err(ApiError::invalid(
-                "n",
-                format!("`n` = {n} is not supported: this server returns one choice per request (n = 1)"),
-            ));
-        }
-    }
     let mut s = defaults.clone();
     if let Some(t) = f.ranged("temperature", 0.0, 2.0, false)? {
         s.temperature = t;
@@ -238,12 +240,10 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
             ));
         }
     };
-    if let Some(Value::Object(bias)) = f.get("logit_bias")
-        && !bias.is_empty()
-    {
-        return Err(ApiError::invalid("logit_bias", "`logit_bias` is not supported by this server"));
-    }
     let user = f.str("user")?.map(str::to_string);
+    // vLLM request extras, and the known fields this server refuses.
+    extras::refuse_unimplemented(f)?;
+    let extras = extras::extras(f, max_tokens)?;
     Ok(Common {
         model,
         sampling: s,
@@ -252,6 +252,7 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
         stream,
         include_usage,
         user,
+        extras,
     })
 }
 
@@ -339,6 +340,8 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
         (true, n) => Some(n.unwrap_or(0) as usize),
         (false, _) => None,
     };
+    // Assistant prefill (vLLM extras).
+    let (add_generation_prompt, continue_final_message) = extras::prefill(&f, &messages)?;
     Ok(ChatRequest {
         common,
         messages,
@@ -346,6 +349,8 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
         tool_choice,
         template_kwargs,
         logprobs,
+        add_generation_prompt,
+        continue_final_message,
     })
 }
 
@@ -625,6 +630,12 @@ pub fn completion_request(body: &Map<String, Value>, defaults: &SamplingParams) 
     }
     if f.int("best_of")?.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid("best_of", "`best_of` other than 1 is not supported"));
+    }
+    if common.extras.thinking_token_budget.is_some() {
+        return Err(ApiError::invalid(
+            "thinking_token_budget",
+            "`thinking_token_budget` applies to chat requests only (completions have no reasoning block)",
+        ));
     }
     Ok(CompletionRequest {
         common,

@@ -81,7 +81,8 @@ fn invalid_values_name_the_field() {
     assert_eq!(param_of(with("seed", json!("x"))), "seed");
     assert_eq!(param_of(with("max_tokens", json!(0))), "max_tokens");
     assert_eq!(param_of(with("max_completion_tokens", json!(-1))), "max_completion_tokens");
-    assert_eq!(param_of(with("n", json!(2))), "n");
+    assert_eq!(param_of(with("n", json!(0))), "n");
+    assert_eq!(param_of(with("n", json!(17))), "n");
     assert_eq!(param_of(with("stop", json!([1]))), "stop[0]");
     assert_eq!(param_of(with("stop", json!(5))), "stop");
     assert_eq!(param_of(with("stream", json!("yes"))), "stream");
@@ -89,7 +90,8 @@ fn invalid_values_name_the_field() {
     assert_eq!(param_of(with("logprobs", json!(1))), "logprobs");
     assert_eq!(param_of(with("top_logprobs", json!(21))), "top_logprobs");
     assert_eq!(param_of(with("top_logprobs", json!(2))), "top_logprobs");
-    assert_eq!(param_of(with("logit_bias", json!({"1": 5}))), "logit_bias");
+    assert_eq!(param_of(with("logit_bias", json!({"a": 5}))), "logit_bias.a");
+    assert_eq!(param_of(with("use_beam_search", json!(true))), "use_beam_search");
     assert_eq!(param_of(with("response_format", json!({"type": "json_object"}))), "response_format");
     assert_eq!(param_of(with("reasoning_effort", json!("max"))), "reasoning_effort");
     assert_eq!(param_of(with("chat_template_kwargs", json!([]))), "chat_template_kwargs");

@@ -12,39 +12,41 @@ use orchid_server::{AppState, ServerConfig};
 
 use super::common::{Device, model_dir, start_engine};
 
+/// Every flag can also be set from the environment (`ORCHID_` + the flag's name in capitals,
+/// shown by `--help`); a flag on the command line wins.
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// Checkpoint folder (default: the bundled model).
-    #[arg(long)]
+    #[arg(long, env = "ORCHID_MODEL")]
     model: Option<PathBuf>,
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, env = "ORCHID_HOST", default_value = "127.0.0.1")]
     host: String,
     /// Port to listen on (0: any free port; the log says which).
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, env = "ORCHID_PORT", default_value_t = 8000)]
     port: u16,
     /// The model id clients send and /v1/models lists (default: the checkpoint folder's name).
-    #[arg(long, alias = "served-model-name")]
+    #[arg(long, visible_alias = "served-model-name", env = "ORCHID_MODEL_ID")]
     model_id: Option<String>,
     /// Longest prompt + output of one request, in tokens (capped by the model's own limit).
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, visible_alias = "max-model-len", env = "ORCHID_MAX_CONTEXT", default_value_t = 32768)]
     max_context: usize,
     /// Sequences generated concurrently.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, visible_alias = "max-num-seqs", env = "ORCHID_MAX_SEQS", default_value_t = 16)]
     max_seqs: usize,
     /// Requests that may wait for a free sequence; beyond that, 503 with Retry-After.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "ORCHID_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
     /// Prompt tokens run per forward call for one sequence.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, env = "ORCHID_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    #[arg(long, value_enum, env = "ORCHID_DEVICE", default_value_t = Device::Auto)]
     device: Device,
     /// Largest request body, in bytes (413 above).
-    #[arg(long, default_value_t = 8 << 20)]
+    #[arg(long, env = "ORCHID_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     max_body_bytes: usize,
     /// After SIGINT/SIGTERM, seconds running requests may take to finish before they are cancelled.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, env = "ORCHID_SHUTDOWN_TIMEOUT", default_value_t = 10.0)]
     shutdown_timeout: f64,
 }
 
