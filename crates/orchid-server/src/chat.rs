@@ -152,6 +152,7 @@ enum Step {
         last: ChatDelta,
         reason: FinishReason,
         prompt: usize,
+        cached: usize,
         completion: usize,
     },
     Failed(ApiError),
@@ -167,6 +168,7 @@ impl ChatStream {
                     last,
                     reason,
                     prompt: usage.prompt_tokens,
+                    cached: usage.cached_tokens,
                     completion: usage.completion_tokens,
                 }
             }
@@ -185,8 +187,8 @@ impl ChatStream {
         r
     }
 
-    fn usage(&self, prompt: usize, completion: usize) -> Value {
-        types::usage(prompt, completion, Some(self.out.reasoning_tokens()))
+    fn usage(&self, prompt: usize, cached: usize, completion: usize) -> Value {
+        types::usage(prompt, cached, completion, Some(self.out.reasoning_tokens()))
     }
 
     // ---- streaming ----
@@ -214,6 +216,7 @@ impl ChatStream {
                     last,
                     reason,
                     prompt,
+                    cached,
                     completion,
                 } => {
                     self.ended = true;
@@ -223,7 +226,7 @@ impl ChatStream {
                     self.queue
                         .push_back(types::chat_chunk(&self.meta, json!({}), Some(reason), lp, self.include_usage));
                     if self.include_usage {
-                        let u = self.usage(prompt, completion);
+                        let u = self.usage(prompt, cached, completion);
                         self.queue.push_back(types::usage_chunk(&self.meta, "chat.completion.chunk", u));
                     }
                 }
@@ -278,17 +281,18 @@ impl ChatStream {
     async fn collect(mut self) -> Result<Response, ApiError> {
         let mut all = ChatDelta::default();
         let mut calls: Vec<(String, String, String)> = Vec::new();
-        let (reason, prompt, completion) = loop {
+        let (reason, prompt, cached, completion) = loop {
             match self.step().await {
                 Step::Delta(d) => absorb(&mut all, &mut calls, d),
                 Step::Finished {
                     last,
                     reason,
                     prompt,
+                    cached,
                     completion,
                 } => {
                     absorb(&mut all, &mut calls, last);
-                    break (reason, prompt, completion);
+                    break (reason, prompt, cached, completion);
                 }
                 Step::Failed(e) => return Err(e),
             }
@@ -309,7 +313,7 @@ impl ChatStream {
             message["tool_calls"] = Value::Array(calls);
         }
         let lp = types::chat_logprobs(&self.st.tokenizer, self.logprobs, &all.logprobs);
-        let usage = self.usage(prompt, completion);
+        let usage = self.usage(prompt, cached, completion);
         Ok(axum::Json(types::chat_completion(&self.meta, message, reason, lp, usage)).into_response())
     }
 }

@@ -143,7 +143,7 @@ impl CompletionStream {
                     let c = self.text_chunk(&text, Some(reason.as_str()));
                     self.queue.push_back(c);
                     if self.include_usage {
-                        let u = types::usage(usage.prompt_tokens, usage.completion_tokens, None);
+                        let u = types::usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, None);
                         self.queue.push_back(types::usage_chunk(&self.meta, "text_completion", u));
                     }
                 }
@@ -170,7 +170,7 @@ impl CompletionStream {
                     self.run.record(reason.as_str());
                     self.pending_logprobs = lps;
                     let lp = self.logprobs_value();
-                    let u = types::usage(usage.prompt_tokens, usage.completion_tokens, None);
+                    let u = types::usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, None);
                     let body = types::completion(&self.meta, &text, Some(reason.as_str()), lp, Some(u));
                     return Ok(axum::Json(body).into_response());
                 }

@@ -15,6 +15,7 @@ pub struct Generation {
     st: AppState,
     arrived: Instant,
     last_token: Option<Instant>,
+    first_token: Option<Instant>,
     pub prompt_tokens: usize,
     /// Set once the engine sent `Finished` or `Error`.
     ended: bool,
@@ -29,6 +30,7 @@ impl Generation {
             st,
             arrived,
             last_token: None,
+            first_token: None,
             prompt_tokens,
             ended: false,
             recorded: false,
@@ -51,14 +53,26 @@ impl Generation {
         match &ev {
             Event::Token { .. } => {
                 match self.last_token {
-                    None => m.ttft.observe(now - self.arrived),
+                    None => {
+                        m.ttft.observe(now - self.arrived);
+                        self.first_token = Some(now);
+                    }
                     Some(t) => m.itl.observe(now - t),
                 }
                 self.last_token = Some(now);
             }
-            Event::Finished { .. } => {
+            Event::Finished { reason, usage, .. } => {
                 self.ended = true;
                 m.duration.observe(now - self.arrived);
+                let ttft = self.first_token.map_or(0.0, |t| (t - self.arrived).as_secs_f64() * 1e3);
+                tracing::info!(
+                    "request finished ({}): {} prompt tokens ({} cached), {} generated, first token {ttft:.1} ms, total {:.1} ms",
+                    reason.as_str(),
+                    usage.prompt_tokens,
+                    usage.cached_tokens,
+                    usage.completion_tokens,
+                    (now - self.arrived).as_secs_f64() * 1e3
+                );
             }
             Event::Error(_) => {
                 self.ended = true;
