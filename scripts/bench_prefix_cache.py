@@ -38,7 +38,7 @@ def wait_ready(base, proc, timeout=600):
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
                 if r.status == 200:
                     return
         except Exception:
