@@ -4,6 +4,7 @@
 //!   (shared by all layers) on the device;
 //! - per GDN layer the conv state [2][(K-1)·C] f32 (two buffers, see kernels/deltanet.cu) and
 //!   the recurrent state [Hv][dk][dv] f32.
+//!
 //! Blocks are taken from a free list as sequences grow and returned when no slot or prefix-cache
 //! snapshot refers to them any more (a reference count per block).
 //!

@@ -87,7 +87,7 @@ fn text_ids(tok: &Tokenizer, seed: usize, n: usize) -> Vec<u32> {
     while tok.encode(&s, false).unwrap().len() < n {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         s.push_str(words[(x >> 33) as usize % words.len()]);
-        s.push(if (x >> 20) % 9 == 0 { '.' } else { ' ' });
+        s.push(if (x >> 20).is_multiple_of(9) { '.' } else { ' ' });
     }
     let mut ids = tok.encode(&s, false).unwrap();
     ids.truncate(n);
