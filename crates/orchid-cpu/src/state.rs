@@ -3,15 +3,20 @@
 
 use orchid_model::backend::{StateOptions, StatePool};
 use orchid_model::config::ModelConfig;
+use orchid_model::error::{Error, Result};
+
+/// Default prefix-cache budget on the host.
+pub const DEFAULT_CACHE_BYTES: usize = 2 << 30;
 
 /// K and V of one attention layer: [len, Hkv·D] each, post-norm post-RoPE K.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct KvCache {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
     pub len: usize,
 }
 
+#[derive(Clone)]
 pub struct GdnState {
     /// The last K-1 pre-conv inputs, oldest first: [(K-1), C].
     pub conv: Vec<f32>,
@@ -19,6 +24,7 @@ pub struct GdnState {
     pub recurrent: Vec<f32>,
 }
 
+#[derive(Clone)]
 pub struct SeqState {
     pub kv: Vec<KvCache>,
     pub gdn: Vec<GdnState>,
@@ -54,7 +60,42 @@ impl CpuState {
     }
 }
 
+/// A copy of a sequence's state after its first `len` tokens.
+pub struct CpuSnapshot {
+    state: SeqState,
+    len: usize,
+}
+
 impl StatePool for CpuState {
+    type Snapshot = CpuSnapshot;
+
+    fn reserve_prefix_cache(&mut self, budget: Option<usize>) -> Result<usize> {
+        Ok(budget.unwrap_or(DEFAULT_CACHE_BYTES))
+    }
+
+    fn save(&mut self, slot: usize, len: usize) -> Result<CpuSnapshot> {
+        let s = self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        if let Some(c) = s.kv.iter().find(|c| c.len != len) {
+            return Err(Error::Backend(format!("snapshot of {len} tokens asked for, the cache holds {}", c.len)));
+        }
+        Ok(CpuSnapshot { state: s.clone(), len })
+    }
+
+    fn restore(&mut self, slot: usize, snap: &CpuSnapshot) -> Result<()> {
+        let s = self.slots.get_mut(slot).and_then(Option::as_mut).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        s.clone_from(&snap.state);
+        debug_assert!(s.kv.iter().all(|c| c.len == snap.len));
+        Ok(())
+    }
+
+    fn release(&mut self, snap: CpuSnapshot) {
+        drop(snap);
+    }
+
+    fn snapshot_bytes(&self, snap: &CpuSnapshot) -> usize {
+        self.n_gdn * (self.conv_len + self.rec_len) * 4 + snap.len * self.kv_width * 2 * 4 * self.n_attn
+    }
+
     fn alloc(&mut self) -> Option<usize> {
         let i = self.slots.iter().position(Option::is_none)?;
         self.slots[i] = Some(SeqState {

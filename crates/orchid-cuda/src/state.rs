@@ -5,7 +5,14 @@
 //! - per GDN layer the conv state [2][(K-1)·C] f32 (two buffers, see kernels/deltanet.cu) and
 //!   the recurrent state [Hv][dk][dv] f32.
 //!
-//! Blocks are taken from a free list as sequences grow and returned when a slot is freed.
+//! Blocks are taken from a free list as sequences grow and returned when no slot or prefix-cache
+//! snapshot refers to them any more (a reference count per block).
+//!
+//! Prefix-cache snapshots (`StatePool::save`) are taken at block boundaries: a snapshot copies
+//! the slot's GDN states into a device buffer of its own and shares the slot's full KV blocks
+//! (references, no copy); a restore copies the GDN states back and maps the shared blocks into
+//! the new slot's table. Every sequence only ever writes positions past its restored length,
+//! which lie in blocks of its own, so shared blocks are never written (no copy-on-write needed).
 
 use std::sync::Arc;
 
@@ -13,9 +20,21 @@ use orchid_model::backend::{StateOptions, StatePool};
 use orchid_model::config::ModelConfig;
 use orchid_model::error::{Error, Result};
 
-use crate::driver::{DevBuf, Gpu};
+use crate::driver::{DevBuf, Gpu, copy_d2d};
 
 pub const KV_BLOCK: usize = 64;
+
+/// Default prefix-cache budget: this share of the free device memory, at most `DEFAULT_CACHE_MAX`.
+const DEFAULT_CACHE_SHARE: f64 = 0.15;
+const DEFAULT_CACHE_MAX: usize = 8 << 30;
+
+/// A sequence's state after its first `len` tokens (`len` a multiple of KV_BLOCK): its GDN conv
+/// and recurrent states (device copies) and references to its first `len / KV_BLOCK` KV blocks.
+pub struct CudaSnapshot {
+    gdn: DevBuf,
+    blocks: Vec<u32>,
+    len: usize,
+}
 
 pub struct SlotState {
     /// Tokens in the KV cache, per attention layer.
@@ -40,6 +59,8 @@ pub struct CudaState {
     vpool: Vec<DevBuf>,
     tables: DevBuf,
     free_blocks: Vec<u32>,
+    /// References to each block (slots and snapshots holding it).
+    refs: Vec<u32>,
     slots: Vec<Option<SlotState>>,
 }
 
@@ -100,6 +121,7 @@ impl CudaState {
             vpool,
             tables,
             free_blocks: (0..num_blocks as u32).rev().collect(),
+            refs: vec![0; num_blocks],
             slots: (0..max_seqs).map(|_| None).collect(),
         })
     }
@@ -147,6 +169,9 @@ impl CudaState {
             return Err(Error::Backend(format!("KV cache is full: {} blocks of {KV_BLOCK} positions are all in use", self.num_blocks)));
         }
         let new: Vec<u32> = (0..need - have).map(|_| self.free_blocks.pop().unwrap()).collect();
+        for &b in &new {
+            self.refs[b as usize] = 1;
+        }
         let off = (slot * self.max_blocks_per_seq + have) * 4;
         self.tables.upload(off, bytemuck::cast_slice(&new))?;
         self.slot_mut(slot)?.blocks.extend(new);
@@ -155,6 +180,31 @@ impl CudaState {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.n_attn * 2 * self.kv_heads * KV_BLOCK * self.head_dim * 2
+    }
+
+    /// Bytes of one slot's conv states and of its recurrent states.
+    fn gdn_bytes(&self) -> (usize, usize) {
+        (self.n_gdn * 2 * self.conv_len * 4, self.n_gdn * self.rec_len * 4)
+    }
+
+    /// Drops one reference to each block; a block nobody holds goes back to the free list.
+    fn unref_blocks(&mut self, blocks: &[u32]) {
+        for &b in blocks.iter().rev() {
+            let r = &mut self.refs[b as usize];
+            *r -= 1;
+            if *r == 0 {
+                self.free_blocks.push(b);
+            }
+        }
+    }
+
+    /// Free KV blocks (tests).
+    pub fn free_block_count(&self) -> usize {
+        self.free_blocks.len()
     }
 }
 
@@ -179,7 +229,7 @@ impl StatePool for CudaState {
 
     fn free(&mut self, slot: usize) {
         if let Some(s) = self.slots.get_mut(slot).and_then(Option::take) {
-            self.free_blocks.extend(s.blocks.into_iter().rev());
+            self.unref_blocks(&s.blocks);
         }
     }
 
@@ -192,8 +242,88 @@ impl StatePool for CudaState {
     }
 
     fn bytes_in_use(&self) -> usize {
-        let block_bytes = self.n_attn * 2 * self.kv_heads * KV_BLOCK * self.head_dim * 2;
+        let block_bytes = self.block_bytes();
         let fixed = self.n_gdn * (2 * self.conv_len + self.rec_len) * 4;
         self.slots.iter().flatten().map(|s| fixed + s.blocks.len() * block_bytes).sum()
+    }
+
+    type Snapshot = CudaSnapshot;
+
+    /// The KV blocks that snapshots hold come from the pool: it grows by `budget / block bytes`
+    /// blocks, so that what the cache holds never takes room the live sequences were promised.
+    /// The GDN copies are allocated as snapshots are taken.
+    fn reserve_prefix_cache(&mut self, budget: Option<usize>) -> Result<usize> {
+        if self.slots.iter().any(Option::is_some) {
+            return Err(Error::Backend("the prefix cache must be reserved before any slot is used".into()));
+        }
+        let (free, _) = self.gpu.mem_info()?;
+        let budget = budget.unwrap_or(((free as f64 * DEFAULT_CACHE_SHARE) as usize).min(DEFAULT_CACHE_MAX));
+        if self.n_attn == 0 || budget == 0 {
+            return Ok(budget);
+        }
+        let block_bytes = self.block_bytes();
+        // Room for the extra blocks and for the GDN copies, within 90% of what is free.
+        let room = ((free as f64 * 0.9) as usize).saturating_sub(budget);
+        let extra = (budget / block_bytes).min(room / block_bytes);
+        let num_blocks = self.num_blocks + extra;
+        let per_layer = num_blocks * self.kv_heads * KV_BLOCK * self.head_dim * 2;
+        self.kpool.clear();
+        self.vpool.clear();
+        for _ in 0..self.n_attn {
+            self.kpool.push(DevBuf::alloc(&self.gpu, per_layer)?);
+            self.vpool.push(DevBuf::alloc(&self.gpu, per_layer)?);
+        }
+        self.num_blocks = num_blocks;
+        self.free_blocks = (0..num_blocks as u32).rev().collect();
+        self.refs = vec![0; num_blocks];
+        Ok(budget)
+    }
+
+    fn save(&mut self, slot: usize, len: usize) -> Result<CudaSnapshot> {
+        if !len.is_multiple_of(KV_BLOCK) {
+            return Err(Error::Backend(format!("a snapshot is taken at a multiple of {KV_BLOCK} positions, not {len}")));
+        }
+        let s = self.slot(slot)?;
+        if s.attn_len.iter().any(|&l| l != len) {
+            return Err(Error::Backend(format!("snapshot of {len} tokens asked for, the cache holds {:?}", s.attn_len)));
+        }
+        let blocks = s.blocks[..len / KV_BLOCK].to_vec();
+        let (conv_bytes, rec_bytes) = self.gdn_bytes();
+        self.gpu.bind()?;
+        let gdn = DevBuf::alloc(&self.gpu, conv_bytes + rec_bytes)?;
+        copy_d2d(&self.gpu, gdn.ptr, self.conv.ptr + (slot * conv_bytes) as u64, conv_bytes)?;
+        copy_d2d(&self.gpu, gdn.ptr + conv_bytes as u64, self.rec.ptr + (slot * rec_bytes) as u64, rec_bytes)?;
+        for &b in &blocks {
+            self.refs[b as usize] += 1;
+        }
+        Ok(CudaSnapshot { gdn, blocks, len })
+    }
+
+    fn restore(&mut self, slot: usize, snap: &CudaSnapshot) -> Result<()> {
+        if !self.slot(slot)?.blocks.is_empty() {
+            return Err(Error::Backend(format!("state slot {slot} is not fresh")));
+        }
+        let (conv_bytes, rec_bytes) = self.gdn_bytes();
+        self.gpu.bind()?;
+        copy_d2d(&self.gpu, self.conv.ptr + (slot * conv_bytes) as u64, snap.gdn.ptr, conv_bytes)?;
+        copy_d2d(&self.gpu, self.rec.ptr + (slot * rec_bytes) as u64, snap.gdn.ptr + conv_bytes as u64, rec_bytes)?;
+        if !snap.blocks.is_empty() {
+            self.tables.upload(slot * self.max_blocks_per_seq * 4, bytemuck::cast_slice(&snap.blocks))?;
+        }
+        for &b in &snap.blocks {
+            self.refs[b as usize] += 1;
+        }
+        let s = self.slot_mut(slot)?;
+        s.blocks = snap.blocks.clone();
+        s.attn_len.iter_mut().for_each(|l| *l = snap.len);
+        Ok(())
+    }
+
+    fn release(&mut self, snap: CudaSnapshot) {
+        self.unref_blocks(&snap.blocks);
+    }
+
+    fn snapshot_bytes(&self, snap: &CudaSnapshot) -> usize {
+        snap.gdn.bytes + snap.blocks.len() * self.block_bytes()
     }
 }

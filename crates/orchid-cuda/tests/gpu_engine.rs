@@ -74,7 +74,7 @@ fn tokenizer() -> Arc<Tokenizer> {
 }
 
 fn start(g: &CudaBackend, tok: &Arc<Tokenizer>, case: &Case, fast: bool) -> EngineHandle {
-    let opts = EngineOptions { max_seqs: 4, max_context: MAX_CONTEXT, prefill_chunk: CHUNK, max_queue: 16, fast_decode: fast };
+    let opts = EngineOptions { max_seqs: 4, max_context: MAX_CONTEXT, prefill_chunk: CHUNK, max_queue: 16, fast_decode: fast, prefix_cache: false, prefix_cache_bytes: None };
     let (g, cfg, fmt, seed) = (g.clone(), case.cfg.clone(), case.fmt, case.seed);
     let e = spawn_with(opts, tok.clone(), move || {
         let host = random_weights(&cfg, fmt, seed);

@@ -7,6 +7,15 @@
 //! op computes each row independently, so a request's output does not depend on what else
 //! is running.
 //!
+//! Prefix cache (`prefix_cache`, on by default). A request whose prompt starts with a cached
+//! block-aligned prefix gets that prefix's saved state copied into its slot and prefills only
+//! the rest. Prefill spans are split at snapshot points (multiples of 64 tokens, never leaving
+//! a one-token span), which changes nothing on the CPU backend: with a prefill chunk that is a
+//! multiple of 64, greedy output is bit-identical with the cache on and off. Snapshots are taken
+//! at the end of the shared part of a prompt, every few thousand tokens, at the prompt's last
+//! block boundary, and at the last block boundary a generation reached (kept when it finishes,
+//! for the conversation's next turn). See docs/prefix-cache.md.
+//!
 //! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`, a
 //! captured decode graph with sampling on the GPU). When exactly one sequence is running, it
 //! is past its prompt and the device sampler can honour its request (no repetition/presence/
@@ -32,6 +41,7 @@ use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode,
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::detokenize::Detokenizer;
+use crate::prefix_cache::{self, PrefixCache};
 use crate::request::{Event, FinishReason, GenerateRequest, StopReason, SubmitError, Usage};
 use crate::sampling::{Rng, Sampler, SamplingParams, logprobs};
 use crate::stop::{StopMatcher, StopOutcome};
@@ -50,11 +60,23 @@ pub struct EngineOptions {
     /// Decode a lone sequence through the backend's fast decoder when it has one (CUDA: the
     /// decode graph). Default: on.
     pub fast_decode: bool,
+    /// Reuse the state of cached prompt prefixes (see the module docs).
+    pub prefix_cache: bool,
+    /// Byte budget of the prefix cache; `None`: the backend's default (docs/prefix-cache.md).
+    pub prefix_cache_bytes: Option<usize>,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { max_seqs: 16, max_context: 32768, prefill_chunk: 512, max_queue: 64, fast_decode: true }
+        EngineOptions {
+            max_seqs: 16,
+            max_context: 32768,
+            prefill_chunk: 512,
+            max_queue: 64,
+            fast_decode: true,
+            prefix_cache: true,
+            prefix_cache_bytes: None,
+        }
     }
 }
 
@@ -93,6 +115,16 @@ pub struct EngineStats {
     pub generated_tokens: AtomicUsize,
     /// Decode steps run by the fast decoder (the rest of the decoding ran the generic step).
     pub fast_decode_steps: AtomicUsize,
+    /// Requests that restored a cached prefix, and those that found none.
+    pub prefix_cache_hits: AtomicUsize,
+    pub prefix_cache_misses: AtomicUsize,
+    /// Prompt tokens restored from the cache instead of prefilled.
+    pub prefix_cache_tokens: AtomicUsize,
+    /// Snapshots held, their bytes, the byte budget, and evictions so far.
+    pub prefix_cache_entries: AtomicUsize,
+    pub prefix_cache_bytes: AtomicUsize,
+    pub prefix_cache_budget: AtomicUsize,
+    pub prefix_cache_evictions: AtomicUsize,
 }
 
 enum Command {
@@ -216,12 +248,28 @@ where
                 None => None,
             };
             let max_context = opts2.max_context.min(model.config.max_position_embeddings);
-            let state = match model.new_state(StateOptions { max_seqs: opts2.max_seqs, max_context }) {
+            let mut state = match model.new_state(StateOptions { max_seqs: opts2.max_seqs, max_context }) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = info2.set(Err(e.to_string()));
                     return;
                 }
+            };
+            let cache = if opts2.prefix_cache {
+                match state.reserve_prefix_cache(opts2.prefix_cache_bytes) {
+                    Ok(budget) => {
+                        tracing::info!("prefix cache: on, budget {:.0} MiB", budget as f64 / 1048576.0);
+                        stats2.prefix_cache_budget.store(budget, Ordering::Relaxed);
+                        Some(PrefixCache::new(budget))
+                    }
+                    Err(e) => {
+                        tracing::warn!("prefix cache: off ({e})");
+                        None
+                    }
+                }
+            } else {
+                tracing::info!("prefix cache: off");
+                None
             };
             let _ = info2.set(Ok(ModelInfo {
                 device: model.backend.describe(),
@@ -230,7 +278,18 @@ where
                 weight_bytes: model.weight_bytes,
                 num_layers: model.config.num_layers(),
             }));
-            let mut e = Engine { model, state, fast, tokenizer, opts: opts2, max_context, stats: stats2, waiting: VecDeque::new(), running: Vec::new() };
+            let mut e = Engine {
+                model,
+                state,
+                cache,
+                fast,
+                tokenizer,
+                opts: opts2,
+                max_context,
+                stats: stats2,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+            };
             e.run(rx);
         })
         .expect("spawning the engine thread");
@@ -244,11 +303,18 @@ where
     }
 }
 
-struct Seq {
+struct Seq<S> {
     slot: usize,
     prompt: Vec<u32>,
-    /// Prompt tokens already run.
+    /// Prompt tokens already run (restored from the prefix cache or prefilled).
     prefilled: usize,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
+    /// Prompt positions where a snapshot is saved for the prefix cache, ascending.
+    save_points: Vec<usize>,
+    /// The snapshot at the last block boundary this sequence's generation reached, for the
+    /// cache when it finishes: (tokens covered, snapshot).
+    pending: Option<(usize, S)>,
     generated: Vec<u32>,
     sampler: Sampler,
     detok: Detokenizer,
@@ -263,7 +329,7 @@ struct Seq {
     thinking_open: bool,
 }
 
-impl Seq {
+impl<S> Seq<S> {
     fn decoding(&self) -> bool {
         self.prefilled == self.prompt.len()
     }
@@ -294,19 +360,36 @@ impl Seq {
         }
         self.sampler.sample(logits, valid)
     }
+    /// Tokens of the next prefill span: up to the next multiple of the chunk (absolute, so a
+    /// restored sequence keeps the boundaries of a full prefill), the next snapshot point, or
+    /// the end of the prompt.
+    fn next_span(&self, chunk: usize) -> usize {
+        let mut end = ((self.prefilled / chunk + 1) * chunk).min(self.prompt.len());
+        if let Some(&p) = self.save_points.first() {
+            end = end.min(p);
+        }
+        end - self.prefilled
+    }
+    /// The first `n` tokens of prompt + generated.
+    fn tokens(&self, n: usize) -> Vec<u32> {
+        self.prompt.iter().chain(&self.generated).take(n).copied().collect()
+    }
 }
 
 struct Engine<B: Backend> {
     model: Model<B>,
     state: B::State,
+    cache: Option<PrefixCache<B::State>>,
     fast: Option<Box<dyn FastDecode<B>>>,
     tokenizer: Arc<Tokenizer>,
     opts: EngineOptions,
     max_context: usize,
     stats: Arc<EngineStats>,
     waiting: VecDeque<(Box<GenerateRequest>, UnboundedSender<Event>)>,
-    running: Vec<Seq>,
+    running: Vec<Seq<Snapshot<B>>>,
 }
+
+type Snapshot<B> = <<B as Backend>::State as StatePool>::Snapshot;
 
 impl<B: Backend> Engine<B> {
     fn run(&mut self, rx: Receiver<Command>) {
@@ -339,8 +422,11 @@ impl<B: Backend> Engine<B> {
                 }
             }
             if draining == Some(false) {
-                for s in std::mem::take(&mut self.running) {
+                for mut s in std::mem::take(&mut self.running) {
                     let _ = s.tx.send(Event::Error("the server is shutting down".into()));
+                    if let Some((_, snap)) = s.pending.take() {
+                        self.state.release(snap);
+                    }
                     self.state.free(s.slot);
                 }
                 for (_, tx) in std::mem::take(&mut self.waiting) {
@@ -373,12 +459,16 @@ impl<B: Backend> Engine<B> {
             self.stats.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
             let req = *req;
             let req_thinking = req.thinking.is_some();
+            let (cached, save_points) = self.restore_prefix(slot, &req.prompt);
             let fast_ok = device_sampling_ok(&req);
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
                 slot,
                 prompt: req.prompt.clone(),
-                prefilled: 0,
+                prefilled: cached,
+                cached,
+                save_points,
+                pending: None,
                 generated: Vec::new(),
                 sampler: Sampler::new(req.sampling.clone(), &req.prompt).with_bias(req.logit_bias.clone()),
                 detok: Detokenizer::with_context(self.tokenizer.clone(), req.skip_special_tokens, &req.prompt),
@@ -389,6 +479,60 @@ impl<B: Backend> Engine<B> {
                 device_seed,
                 thinking_open: req_thinking,
             });
+        }
+    }
+
+    /// Restores the longest cached prefix of `prompt` into the fresh `slot`; returns the tokens
+    /// restored and the prompt positions where snapshots are to be saved.
+    fn restore_prefix(&mut self, slot: usize, prompt: &[u32]) -> (usize, Vec<usize>) {
+        let Some(cache) = self.cache.as_mut() else { return (0, Vec::new()) };
+        let keys = prefix_cache::block_keys(prompt);
+        let mut cached = 0;
+        if let Some((len, snap)) = cache.lookup(prompt, &keys, prefix_cache::max_restore(prompt.len())) {
+            match self.state.restore(slot, snap) {
+                Ok(()) => cached = len,
+                Err(e) => {
+                    // The slot may be half-written: start it afresh.
+                    tracing::warn!("prefix cache: restore failed ({e}); prefilling the whole prompt");
+                    self.state.free(slot);
+                    let again = self.state.alloc();
+                    debug_assert_eq!(again, Some(slot));
+                }
+            }
+        }
+        let counter = if cached > 0 { &self.stats.prefix_cache_hits } else { &self.stats.prefix_cache_misses };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.stats.prefix_cache_tokens.fetch_add(cached, Ordering::Relaxed);
+        let seen = cache.seen_blocks(&keys);
+        cache.note_seen(&keys);
+        let mut points = prefix_cache::save_points(prompt.len(), cached, seen);
+        points.retain(|&p| !cache.contains(keys[p / prefix_cache::BLOCK - 1]));
+        (cached, points)
+    }
+
+    /// Saves the state of `self.running[i]` (which holds `len` tokens) into the cache.
+    fn save_prefix(&mut self, i: usize, len: usize) {
+        let Some(cache) = self.cache.as_mut() else { return };
+        let s = &self.running[i];
+        match self.state.save(s.slot, len) {
+            Ok(snap) => cache.insert(&mut self.state, &s.tokens(len), snap),
+            Err(e) => tracing::warn!("prefix cache: snapshot at {len} tokens failed ({e})"),
+        }
+    }
+
+    /// After a decode step of `self.running[i]` (its state now covers `len` tokens): keeps a
+    /// snapshot at each block boundary, replacing the previous one, for the cache at the end.
+    fn note_decoded(&mut self, i: usize, len: usize) {
+        if self.cache.is_none() || !len.is_multiple_of(prefix_cache::BLOCK) {
+            return;
+        }
+        let slot = self.running[i].slot;
+        if let Some((_, old)) = self.running[i].pending.take() {
+            self.state.release(old);
+        }
+        match self.state.save(slot, len) {
+            Ok(snap) => self.running[i].pending = Some((len, snap)),
+            Err(e) => tracing::warn!("prefix cache: snapshot at {len} tokens failed ({e})"),
         }
     }
 
@@ -414,7 +558,7 @@ impl<B: Backend> Engine<B> {
         let mut budget = chunk;
         for (i, s) in self.running.iter().enumerate() {
             if !s.decoding() {
-                let n = chunk.min(s.prompt.len() - s.prefilled);
+                let n = s.next_span(chunk);
                 if n > budget && budget < chunk {
                     break;
                 }
@@ -451,10 +595,18 @@ impl<B: Backend> Engine<B> {
             let s = &mut self.running[i];
             if !s.decoding() {
                 s.prefilled += span.len;
-                if !s.decoding() {
+                let at = s.prefilled;
+                if s.save_points.first() == Some(&at) {
+                    s.save_points.remove(0);
+                    self.save_prefix(i, at);
+                }
+                if !self.running[i].decoding() {
                     continue;
                 }
+            } else {
+                self.note_decoded(i, span.start + 1);
             }
+            let s = &mut self.running[i];
             let l = &logits[row * v..(row + 1) * v];
             let tok = s.next_token(l, valid);
             let lp = s.req.logprobs.map(|n| logprobs(l, valid, tok, n));
@@ -492,6 +644,7 @@ impl<B: Backend> Engine<B> {
         match fast.step(&self.model, &mut self.state, &step) {
             Ok(tok) => {
                 self.stats.fast_decode_steps.fetch_add(1, Ordering::Relaxed);
+                self.note_decoded(0, step.pos + 1);
                 // Counted as the generic step counts (a token of a sequence that goes on).
                 if emit(&mut self.running[0], tok, None, self.max_context) {
                     self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
@@ -514,9 +667,15 @@ impl<B: Backend> Engine<B> {
         let mut idx = idx.to_vec();
         idx.sort_unstable();
         for &i in idx.iter().rev() {
-            let s = self.running.remove(i);
+            let mut s = self.running.remove(i);
             if s.tx.is_closed() {
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some((len, snap)) = s.pending.take() {
+                match self.cache.as_mut() {
+                    Some(c) => c.insert(&mut self.state, &s.tokens(len), snap),
+                    None => self.state.release(snap),
+                }
             }
             self.state.free(s.slot);
         }
@@ -526,6 +685,12 @@ impl<B: Backend> Engine<B> {
         self.stats.running.store(self.running.len(), Ordering::Relaxed);
         self.stats.state_bytes.store(self.state.bytes_in_use(), Ordering::Relaxed);
         self.stats.state_slots.store(self.state.capacity(), Ordering::Relaxed);
+        if let Some(c) = &self.cache {
+            let n = c.counts();
+            self.stats.prefix_cache_entries.store(n.entries, Ordering::Relaxed);
+            self.stats.prefix_cache_bytes.store(n.bytes, Ordering::Relaxed);
+            self.stats.prefix_cache_evictions.store(n.evictions, Ordering::Relaxed);
+        }
     }
 }
 
@@ -545,14 +710,14 @@ pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
 
 /// Records a sampled token and streams it; false when the sequence is finished (or its
 /// client is gone).
-fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_context: usize) -> bool {
+fn emit<S>(s: &mut Seq<S>, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_context: usize) -> bool {
     s.sampler.observe(tok);
     s.generated.push(tok);
     if s.req.thinking.is_some_and(|t| t.end_token == tok) {
         s.thinking_open = false;
     }
-    let usage = Usage { prompt_tokens: s.prompt.len(), completion_tokens: s.generated.len() };
-    let finish = |s: &mut Seq, reason: FinishReason, text: String| {
+    let usage = Usage { prompt_tokens: s.prompt.len(), completion_tokens: s.generated.len(), cached_tokens: s.cached };
+    let finish = |s: &mut Seq<S>, reason: FinishReason, text: String| {
         let stop_reason = match reason {
             FinishReason::Length => None,
             FinishReason::Stop => match s.stop.matched() {
@@ -564,7 +729,7 @@ fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_co
         false
     };
     // The text before a matched stop string, plus the stop string when the request keeps it.
-    let stopped = |s: &Seq, t: String| match s.stop.matched() {
+    let stopped = |s: &Seq<S>, t: String| match s.stop.matched() {
         Some(m) if s.req.include_stop_str => t + m,
         _ => t,
     };

@@ -8,6 +8,7 @@ pub mod chat_template;
 pub mod defaults;
 pub mod detokenize;
 pub mod engine;
+pub mod prefix_cache;
 pub mod request;
 pub mod sampling;
 pub mod sampling_limits;

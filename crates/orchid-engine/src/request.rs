@@ -92,6 +92,8 @@ pub enum StopReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens restored from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 /// Streamed to the client, in order: `Token`s, then exactly one `Finished` or `Error`.

@@ -64,7 +64,7 @@ fn start(fast: Option<bool>, fail_prepare: bool, enabled: bool) -> (EngineHandle
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let log = Arc::new(Mutex::new(Log::default()));
     let log2 = log.clone();
-    let opts = EngineOptions { max_seqs: 4, max_context: 256, prefill_chunk: 16, max_queue: 8, fast_decode: enabled };
+    let opts = EngineOptions { max_seqs: 4, max_context: 256, prefill_chunk: 16, max_queue: 8, fast_decode: enabled, prefix_cache: false, prefix_cache_bytes: None };
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;
         let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> = fast.map(|_| Box::new(Mock { log: log2, fail_prepare }) as Box<dyn FastDecode<CpuBackend>>);

@@ -24,6 +24,25 @@ pub trait StatePool: Send {
     fn capacity(&self) -> usize;
     /// Bytes of state currently held by live sequences.
     fn bytes_in_use(&self) -> usize;
+
+    // The prefix cache (orchid-engine's `prefix_cache`): the state of a sequence after its
+    // first `len` tokens, kept so that a later sequence starting with the same tokens skips them.
+
+    /// A saved state: the GDN conv + recurrent states and the KV of the attention layers for the
+    /// first `len` positions of a sequence (copies on the CPU; on CUDA the GDN states are copied
+    /// on the device and the KV blocks are shared, reference-counted).
+    type Snapshot: Send;
+    /// Makes room for prefix-cache snapshots before any slot is used and returns the byte budget
+    /// the cache may hold (`None`: the backend's default; see docs/prefix-cache.md).
+    fn reserve_prefix_cache(&mut self, budget: Option<usize>) -> Result<usize>;
+    /// Saves the state of `slot`, which must hold exactly `len` tokens.
+    fn save(&mut self, slot: usize, len: usize) -> Result<Self::Snapshot>;
+    /// Replaces the (fresh) state of `slot` with a snapshot; the slot then holds `len` tokens.
+    fn restore(&mut self, slot: usize, snap: &Self::Snapshot) -> Result<()>;
+    /// Gives a snapshot's memory back (on CUDA: drops its references to KV blocks).
+    fn release(&mut self, snap: Self::Snapshot);
+    /// Bytes a snapshot counts against the cache budget.
+    fn snapshot_bytes(&self, snap: &Self::Snapshot) -> usize;
 }
 
 /// Sizes the engine asks a state pool for.

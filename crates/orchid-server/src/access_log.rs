@@ -32,6 +32,8 @@ pub struct RequestLog {
     started: Instant,
     status: AtomicU16,
     prompt_tokens: AtomicUsize,
+    /// Prompt tokens restored from the prefix cache.
+    cached_tokens: AtomicUsize,
     completion_tokens: AtomicUsize,
     /// Nanoseconds from arrival to the first generated token (0: none).
     ttft_ns: AtomicU64,
@@ -55,6 +57,10 @@ impl RequestLog {
     pub fn completion(&self, n: usize) {
         self.completion_tokens.fetch_add(n, Ordering::Relaxed);
     }
+
+    pub fn cached(&self, n: usize) {
+        self.cached_tokens.fetch_add(n, Ordering::Relaxed);
+    }
 }
 
 impl Drop for RequestLog {
@@ -65,11 +71,12 @@ impl Drop for RequestLog {
         };
         tracing::info!(
             target: "orchid::access",
-            "{} {} {} prompt_tokens={} completion_tokens={} ttft={} duration={:.1}ms request_id={}",
+            "{} {} {} prompt_tokens={} cached_tokens={} completion_tokens={} ttft={} duration={:.1}ms request_id={}",
             self.method,
             self.route,
             self.status.load(Ordering::Relaxed),
             self.prompt_tokens.load(Ordering::Relaxed),
+            self.cached_tokens.load(Ordering::Relaxed),
             self.completion_tokens.load(Ordering::Relaxed),
             ttft,
             self.started.elapsed().as_secs_f64() * 1e3,
@@ -99,6 +106,7 @@ pub async fn middleware(req: Request, next: Next) -> Response {
         started: Instant::now(),
         status: AtomicU16::new(0),
         prompt_tokens: AtomicUsize::new(0),
+        cached_tokens: AtomicUsize::new(0),
         completion_tokens: AtomicUsize::new(0),
         ttft_ns: AtomicU64::new(0),
     });

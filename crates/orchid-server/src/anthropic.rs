@@ -318,7 +318,7 @@ impl Message {
                 Step::Delta(d) => {
                     self.blocks.push(d);
                 }
-                Step::Finished { last, reason, stop_reason, prompt, completion } => {
+                Step::Finished { last, reason, stop_reason, prompt, completion, .. } => {
                     self.blocks.push(last);
                     self.blocks.finish();
                     let (sr, seq) = self.stop(reason, &stop_reason);

@@ -230,24 +230,26 @@ pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBo
 #[derive(Default)]
 pub(crate) struct Totals {
     pub prompt: usize,
+    pub cached: usize,
     pub completion: usize,
     pub reasoning: usize,
 }
 
 impl Totals {
-    pub fn add(&mut self, prompt: usize, completion: usize, reasoning: usize) {
+    pub fn add(&mut self, prompt: usize, cached: usize, completion: usize, reasoning: usize) {
         self.prompt = prompt;
+        self.cached = cached;
         self.completion += completion;
         self.reasoning += reasoning;
     }
 
     pub fn usage(&self) -> Value {
-        types::usage(self.prompt, self.completion, Some(self.reasoning))
+        types::usage(self.prompt, self.cached, self.completion, Some(self.reasoning))
     }
 
     /// Without the reasoning detail (completions).
     pub fn usage_plain(&self) -> Value {
-        types::usage(self.prompt, self.completion, None)
+        types::usage(self.prompt, self.cached, self.completion, None)
     }
 }
 
@@ -268,6 +270,8 @@ pub(crate) enum Step {
         reason: FinishReason,
         stop_reason: Option<StopReason>,
         prompt: usize,
+        /// Prompt tokens restored from the prefix cache.
+        cached: usize,
         completion: usize,
     },
     Failed(ApiError),
@@ -284,6 +288,7 @@ impl ChatRun {
                     reason,
                     stop_reason,
                     prompt: usage.prompt_tokens,
+                    cached: usage.cached_tokens,
                     completion: usage.completion_tokens,
                 }
             }
@@ -376,12 +381,13 @@ impl ChatStream {
                     reason,
                     stop_reason,
                     prompt,
+                    cached,
                     completion,
                 } => {
                     self.ended = true;
                     self.queue_delta(last);
                     let reason = self.run.finish_reason(reason);
-                    lock(&self.totals).add(prompt, completion, self.run.out.reasoning_tokens());
+                    lock(&self.totals).add(prompt, cached, completion, self.run.out.reasoning_tokens());
                     let lp = types::chat_logprobs(&self.run.st.tokenizer, self.logprobs, &std::mem::take(&mut self.pending_logprobs));
                     let sr = stop_reason_value(&stop_reason, &self.common);
                     let c = chunk(self, json!({}), Some(reason), lp, Some(("stop_reason", sr)));
@@ -441,7 +447,7 @@ impl ChatStream {
     async fn collect(mut self) -> Result<Value, ApiError> {
         let mut all = ChatDelta::default();
         let mut calls: Vec<(String, String, String)> = Vec::new();
-        let (reason, stop_reason, prompt, completion) = loop {
+        let (reason, stop_reason, prompt, cached, completion) = loop {
             match self.run.step().await {
                 Step::Delta(d) => absorb(&mut all, &mut calls, d),
                 Step::Finished {
@@ -449,16 +455,17 @@ impl ChatStream {
                     reason,
                     stop_reason,
                     prompt,
+                    cached,
                     completion,
                 } => {
                     absorb(&mut all, &mut calls, last);
-                    break (reason, stop_reason, prompt, completion);
+                    break (reason, stop_reason, prompt, cached, completion);
                 }
                 Step::Failed(e) => return Err(e),
             }
         };
         let reason = self.run.finish_reason(reason);
-        lock(&self.totals).add(prompt, completion, self.run.out.reasoning_tokens());
+        lock(&self.totals).add(prompt, cached, completion, self.run.out.reasoning_tokens());
         let message = message_json(all.content, all.reasoning, calls);
         let lp = types::chat_logprobs(&self.run.st.tokenizer, self.logprobs, &all.logprobs);
         Ok(json!({

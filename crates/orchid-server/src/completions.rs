@@ -166,7 +166,7 @@ impl CompletionStream {
                 Some(Event::Finished { reason, text, usage, stop_reason }) => {
                     self.ended = true;
                     self.run.record(reason.as_str());
-                    lock(&self.totals).add(usage.prompt_tokens, usage.completion_tokens, 0);
+                    lock(&self.totals).add(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, 0);
                     let mut c = self.text_chunk(&text, Some(reason.as_str()));
                     c["choices"][0]["stop_reason"] = stop_reason_value(&stop_reason, &self.common);
                     self.queue.push_back(c);
@@ -193,7 +193,7 @@ impl CompletionStream {
                 Some(Event::Finished { reason, text: t, usage, stop_reason }) => {
                     text.push_str(&t);
                     self.run.record(reason.as_str());
-                    lock(&self.totals).add(usage.prompt_tokens, usage.completion_tokens, 0);
+                    lock(&self.totals).add(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, 0);
                     self.pending_logprobs = lps;
                     let lp = self.logprobs_value();
                     return Ok(json!({

@@ -74,6 +74,7 @@ impl Generation {
                 self.ended = true;
                 if let Some(l) = &self.log {
                     l.completion(usage.completion_tokens);
+                    l.cached(usage.cached_tokens);
                 }
                 m.duration.observe(now - self.arrived);
             }

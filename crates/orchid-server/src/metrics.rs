@@ -15,6 +15,12 @@
 //! | `orchid_max_sequences` | gauge | sequence slots |
 //! | `orchid_state_memory_bytes` | gauge | KV cache + recurrent state in use |
 //! | `orchid_cancelled_requests_total` | counter | requests whose client went away |
+//! | `orchid_prefix_cache_hits_total` | counter | requests that restored a cached prompt prefix |
+//! | `orchid_prefix_cache_misses_total` | counter | requests that found none (with the cache on) |
+//! | `orchid_prefix_cache_tokens_total` | counter | prompt tokens restored instead of prefilled |
+//! | `orchid_prefix_cache_evictions_total` | counter | snapshots evicted (least recently used) |
+//! | `orchid_prefix_cache_bytes` | gauge | memory held by prefix-cache snapshots (budget: `_budget_bytes`) |
+//! | `orchid_prefix_cache_entries` | gauge | snapshots held |
 //! | `orchid_model_loaded` | gauge | 1 once the model is ready |
 //! | `orchid_model_weight_bytes` | gauge | weight memory |
 
@@ -148,6 +154,10 @@ impl Metrics {
                 "Requests cancelled because their client went away.",
                 load(&stats.cancelled),
             ),
+            ("orchid_prefix_cache_hits_total", "Requests that restored a cached prompt prefix.", load(&stats.prefix_cache_hits)),
+            ("orchid_prefix_cache_misses_total", "Requests that found no cached prompt prefix.", load(&stats.prefix_cache_misses)),
+            ("orchid_prefix_cache_tokens_total", "Prompt tokens restored from the prefix cache.", load(&stats.prefix_cache_tokens)),
+            ("orchid_prefix_cache_evictions_total", "Prefix-cache snapshots evicted.", load(&stats.prefix_cache_evictions)),
         ];
         for (name, help, v) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -176,6 +186,9 @@ impl Metrics {
                 "KV cache and recurrent state memory in use.",
                 load(&stats.state_bytes),
             ),
+            ("orchid_prefix_cache_bytes", "Memory held by prefix-cache snapshots.", load(&stats.prefix_cache_bytes)),
+            ("orchid_prefix_cache_budget_bytes", "Byte budget of the prefix cache.", load(&stats.prefix_cache_budget)),
+            ("orchid_prefix_cache_entries", "Prefix-cache snapshots held.", load(&stats.prefix_cache_entries)),
             (
                 "orchid_model_loaded",
                 "1 once the model is loaded and serving.",

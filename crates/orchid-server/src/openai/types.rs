@@ -25,8 +25,10 @@ impl Meta {
     }
 }
 
-pub fn usage(prompt: usize, completion: usize, reasoning: Option<usize>) -> Value {
-    let mut u = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+/// `usage`, with `prompt_tokens_details.cached_tokens`: prompt tokens restored from the prefix cache.
+pub fn usage(prompt: usize, cached: usize, completion: usize, reasoning: Option<usize>) -> Value {
+    let mut u = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached}});
     if let Some(r) = reasoning {
         u["completion_tokens_details"] = json!({"reasoning_tokens": r});
     }

@@ -117,6 +117,31 @@ pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::Eng
     Ok(Loaded { tokenizer, engine })
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+/// The prefix-cache flags of `serve`, `run` and `chat` (docs/prefix-cache.md).
+#[derive(clap::Args, Clone, Debug)]
+pub struct PrefixCacheArgs {
+    /// Reuse the saved state of prompt prefixes seen before (earlier turns, shared system prompts).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub prefix_cache: OnOff,
+    /// Memory the prefix cache may hold, in MiB (default: 2048 on the CPU; on CUDA 15% of the
+    /// device memory free after loading, at most 8192).
+    #[arg(long)]
+    pub prefix_cache_mb: Option<usize>,
+}
+
+impl PrefixCacheArgs {
+    pub fn apply(&self, opts: &mut orchid_engine::engine::EngineOptions) {
+        opts.prefix_cache = self.prefix_cache == OnOff::On;
+        opts.prefix_cache_bytes = self.prefix_cache_mb.map(|mb| mb << 20);
+    }
+}
+
 /// The options `run` and `chat` share: the checkpoint, the system message, thinking on/off, the
 /// device and the sampling flags.
 #[derive(clap::Args)]
@@ -143,13 +168,16 @@ pub struct ConversationArgs {
     pub device: Device,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub cache: PrefixCacheArgs,
 }
 
 impl ConversationArgs {
     /// The checkpoint folder and an engine for one sequence at a time on it.
     pub fn start(&self) -> Result<(PathBuf, Loaded)> {
         let dir = model_dir(self.model.as_deref())?;
-        let opts = orchid_engine::engine::EngineOptions { max_seqs: 1, max_queue: 1, ..Default::default() };
+        let mut opts = orchid_engine::engine::EngineOptions { max_seqs: 1, max_queue: 1, ..Default::default() };
+        self.cache.apply(&mut opts);
         let loaded = start_engine(&dir, self.device, opts)?;
         Ok((dir, loaded))
     }

@@ -10,7 +10,7 @@ use orchid_engine::ChatTemplate;
 use orchid_engine::engine::EngineOptions;
 use orchid_server::{AppState, ServerConfig};
 
-use super::common::{Device, model_dir, start_engine};
+use super::common::{Device, PrefixCacheArgs, model_dir, start_engine};
 
 /// Every flag can also be set from the environment (`ORCHID_` + the flag's name in capitals,
 /// shown by `--help`); a flag on the command line wins.
@@ -48,6 +48,8 @@ pub struct ServeArgs {
     /// After SIGINT/SIGTERM, seconds running requests may take to finish before they are cancelled.
     #[arg(long, env = "ORCHID_SHUTDOWN_TIMEOUT", default_value_t = 10.0)]
     shutdown_timeout: f64,
+    #[command(flatten)]
+    cache: PrefixCacheArgs,
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -67,13 +69,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
             None
         }
     };
-    let opts = EngineOptions {
+    let mut opts = EngineOptions {
         max_seqs: a.max_seqs.max(1),
         max_context: a.max_context.max(2),
         prefill_chunk: a.prefill_chunk.max(1),
         max_queue: a.max_queue,
         ..Default::default()
     };
+    a.cache.apply(&mut opts);
     let loaded = start_engine(&dir, a.device, opts)?;
     let mut cfg = ServerConfig::new(model_id);
     cfg.model_path = dir.display().to_string();
