@@ -41,7 +41,66 @@ struct Plan {
     tools: Option<(ToolSchemas, String)>,
 }
 
-fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<Plan, ApiError> {
+/// Roles whose text comes from the client (its special tokens are encoded as plain text).
+const PLAIN_ROLES: [&str; 3] = ["user", "system", "tool"];
+
+/// Renders the conversation and finds where the texts of user, system and tool messages that
+/// spell special tokens ended up in it, so that those tokens can be encoded as plain text.
+/// The template is rendered a second time with a placeholder for each such text; the
+/// placeholders' positions are exact when putting the texts back (as given, or trimmed as
+/// templates often do) reproduces the real rendering. When it does not (a template that
+/// transforms the text), no range is returned.
+fn render_with_plain_spans(
+    template: &ChatTemplate,
+    tok: &Tokenizer,
+    messages: &[Value],
+    tools: Option<&[Value]>,
+    kwargs: &Map<String, Value>,
+) -> Result<(String, Vec<std::ops::Range<usize>>), ApiError> {
+    let text = template.render(messages, tools, true, kwargs)?;
+    let marked: Vec<(usize, &str)> = messages
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.get("role").and_then(Value::as_str).is_some_and(|r| PLAIN_ROLES.contains(&r)))
+        .filter_map(|(i, m)| m.get("content").and_then(Value::as_str).map(|c| (i, c)))
+        .filter(|(_, c)| tok.contains_special_text(c))
+        .collect();
+    if marked.is_empty() {
+        return Ok((text, Vec::new()));
+    }
+    let placeholder = |n: usize| format!("\u{E000}orchid-text-{n}\u{E001}");
+    let mut with_placeholders = messages.to_vec();
+    for (n, &(i, _)) in marked.iter().enumerate() {
+        with_placeholders[i]["content"] = Value::from(placeholder(n));
+    }
+    let Ok(shape) = template.render(&with_placeholders, tools, true, kwargs) else {
+        return Ok((text, Vec::new()));
+    };
+    for trim in [false, true] {
+        let (mut rebuilt, mut spans, mut at) = (String::with_capacity(text.len()), Vec::new(), 0);
+        let mut complete = true;
+        for (n, &(_, content)) in marked.iter().enumerate() {
+            let p = placeholder(n);
+            let Some(i) = shape[at..].find(&p).map(|i| at + i) else {
+                complete = false;
+                break;
+            };
+            rebuilt.push_str(&shape[at..i]);
+            let c = if trim { content.trim() } else { content };
+            spans.push(rebuilt.len()..rebuilt.len() + c.len());
+            rebuilt.push_str(c);
+            at = i + p.len();
+        }
+        rebuilt.push_str(&shape[at..]);
+        if complete && rebuilt == text {
+            return Ok((text, spans));
+        }
+    }
+    tracing::debug!("the chat template transforms message texts; special tokens in them stay special");
+    Ok((text, Vec::new()))
+}
+
+fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest, max_context: usize) -> Result<Plan, ApiError> {
     let mut kwargs = req.template_kwargs.clone();
     let forced = match &req.tool_choice {
         ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
@@ -56,7 +115,7 @@ fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<P
     } else {
         req.tools.as_deref()
     };
-    let mut text = template.render(&req.messages, tools, true, &kwargs)?;
+    let (mut text, plain) = render_with_plain_spans(template, tok, &req.messages, tools, &kwargs)?;
     let reasoning = if forced.is_some() {
         None
     } else {
@@ -65,9 +124,7 @@ fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<P
     if let Some(f) = &forced {
         text.push_str(f);
     }
-    let prompt = tok
-        .encode(&text, false)
-        .map_err(|e| ApiError::internal(format!("tokenizing the prompt failed: {e:#}")))?;
+    let prompt = AppState::encode_prompt(tok, &text, false, &plain, max_context, "messages")?;
     let tools = tools.map(|t| (ToolSchemas::from_tools(t), forced.unwrap_or_default()));
     Ok(Plan { prompt, reasoning, tools })
 }
@@ -91,7 +148,8 @@ pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBo
         .clone()
         .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
     let tok = st.tokenizer.clone();
-    let (plan, req) = AppState::blocking(move || plan(&template, &tok, &req).map(|p| (p, req))).await?;
+    let max_context = info.max_context;
+    let (plan, req) = st.blocking(move || plan(&template, &tok, &req, max_context).map(|p| (p, req))).await?;
     if plan.prompt.len() >= info.max_context {
         return Err(ApiError::context_length("messages", plan.prompt.len(), info.max_context));
     }
@@ -108,7 +166,13 @@ pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBo
             skip_special_tokens: true,
         },
         arrived,
-    )?;
+    )
+    .map_err(|mut e| {
+        if e.param.as_deref() == Some("prompt") {
+            e.param = Some("messages".into());
+        }
+        e
+    })?;
     let reasoning = match plan.reasoning {
         Some(opened) => ReasoningParser::new(opened),
         None => ReasoningParser::disabled(),

@@ -42,6 +42,11 @@ pub fn default_model_dir() -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.join("config.json").is_file())
 }
 
+/// Marks an error about the model folder (tokenizer, chat template) as such: exit code 3.
+pub fn bad_model(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::Error::new(orchid_model::LoadError(format!("{e:#}")))
+}
+
 /// Loads `dir` onto `backend`, logging what was loaded and how long it took.
 fn load_on<B: orchid_model::Backend>(dir: &Path, backend: B) -> Result<Model<B>> {
     let t = std::time::Instant::now();
@@ -88,7 +93,7 @@ pub struct Loaded {
 }
 
 pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::EngineOptions) -> Result<Loaded> {
-    let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir)?);
+    let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir).map_err(bad_model)?);
     let dir2 = dir.to_path_buf();
     let engine = match resolve_device(device)? {
         Device::Cpu | Device::Auto => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cpu(&dir2)),
@@ -245,6 +250,9 @@ pub fn stream_to(
             }
             Event::Error(e) => bail!("generation failed: {e}"),
         }
+    }
+    if let Some(why) = loaded.engine.failure() {
+        bail!("generation failed: {why}");
     }
     Ok((n, first.unwrap_or(0.0), t0.elapsed().as_secs_f64(), text))
 }
