@@ -136,7 +136,9 @@ async fn serve_until(
     let app = router(st.clone());
     let limit = Arc::new(Semaphore::new(st.config.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
-    let mut builder = Builder::new(TokioExecutor::new());
+    // HTTP/1.1 only: the HTTP/2 prior-knowledge detection waits for a first byte with no timeout,
+    // which would let idle connections stay open forever.
+    let mut builder = Builder::new(TokioExecutor::new()).http1_only();
     builder.http1().timer(TokioTimer::new()).header_read_timeout(st.config.header_timeout);
     loop {
         let permit = tokio::select! {
@@ -156,7 +158,7 @@ async fn serve_until(
             _ = stop_rx.wait_for(|s| *s) => break,
         };
         let _ = tcp.set_nodelay(true);
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), TowerToHyperService::new(app.clone())).into_owned();
+        let conn = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone())).into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _ = conn.await;
