@@ -303,7 +303,7 @@ impl ModelConfig {
                 return Err(field(name, "must be at least 1"));
             }
         }
-        if deltanet.num_v_heads % deltanet.num_k_heads != 0 {
+        if !deltanet.num_v_heads.is_multiple_of(deltanet.num_k_heads) {
             return Err(field(
                 "linear_num_value_heads",
                 format!(
@@ -406,10 +406,10 @@ impl ModelConfig {
                 return Err(field(name, "must be at least 1"));
             }
         }
-        if a.num_heads % a.num_kv_heads != 0 {
+        if !a.num_heads.is_multiple_of(a.num_kv_heads) {
             return Err(field("num_key_value_heads", format!("{} does not divide num_attention_heads {}", a.num_kv_heads, a.num_heads)));
         }
-        if d.num_v_heads % d.num_k_heads != 0 {
+        if !d.num_v_heads.is_multiple_of(d.num_k_heads) {
             return Err(field("linear_num_value_heads", format!("{} is not a multiple of linear_num_key_heads {}", d.num_v_heads, d.num_k_heads)));
         }
         // The largest tensors and per-sequence states, in elements; each must fit with room for

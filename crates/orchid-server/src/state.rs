@@ -137,10 +137,10 @@ impl AppState {
                     end += 1;
                 }
                 // Cut after whitespace where there is some nearby, so pieces split as words do.
-                if end < text.len() {
-                    if let Some(ws) = text[at..end].rfind(char::is_whitespace).filter(|&i| i > PIECE / 2) {
-                        end = at + ws;
-                    }
+                if end < text.len()
+                    && let Some(ws) = text[at..end].rfind(char::is_whitespace).filter(|&i| i > PIECE / 2)
+                {
+                    end = at + ws;
                 }
                 count += tok.encode(&text[at..end], false).map_err(fail)?.len();
                 pieces += 1;
