@@ -372,7 +372,7 @@ def test_queue_bounds():
         out = []
 
         def go():
-            out.append(s.json("POST", "/v1/completions", {"prompt": "once upon a time", "max_tokens": 300, "temperature": 0})[0])
+            out.append(s.json("POST", "/v1/completions", {"prompt": "once upon a time", "max_tokens": 120, "temperature": 0})[0])
 
         threads = [threading.Thread(target=go) for _ in range(2)]
         for t in threads:
