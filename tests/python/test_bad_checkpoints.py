@@ -4,7 +4,9 @@ exit code not 101), and stderr must name the file and the tensor or config field
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +216,64 @@ def mlx_scales_shape(d):
     return SHARD, [mod]
 
 
+def hidden_size_zero(d):
+    edit_config(d, lambda c: _tc(c).update(hidden_size=0))
+    return "config.json", ["hidden_size"]
+
+
+def head_dim_overflow(d):
+    edit_config(d, lambda c: _tc(c).update(head_dim=2**62))
+    return "config.json", ["head_dim"]
+
+
+def nan_weight(d):
+    f = d / SHARD
+    header, data = read_header(f)
+    name = f"{P}.2.mlp.shared_expert.up_proj.weight"
+    assert header[name]["dtype"] == "F32"
+    start = header[name]["data_offsets"][0] + 4 * 5
+    data = data[:start] + struct.pack("<f", float("nan")) + data[start + 4:]
+    write_header(f, header, data)
+    return SHARD, [name]
+
+
+def inf_weight(d):
+    f = d / SHARD
+    header, data = read_header(f)
+    name = f"{P}.0.input_layernorm.weight"
+    start = header[name]["data_offsets"][0]
+    data = data[:start] + struct.pack("<f", float("-inf")) + data[start + 4:]
+    write_header(f, header, data)
+    return SHARD, [name]
+
+
+def index_outside_folder(d):
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    k = sorted(idx["weight_map"])[0]
+    idx["weight_map"][k] = "/etc/passwd"
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return "model.safetensors.index.json", ["/etc/passwd", "outside", "inside the model folder"]
+
+
+def index_dotdot(d):
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    k = sorted(idx["weight_map"])[0]
+    idx["weight_map"][k] = "../ckpt/" + idx["weight_map"][k]
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return "model.safetensors.index.json", ["inside the model folder"]
+
+
+def named_pipe_weights(d):
+    (d / SHARD).unlink()
+    os.mkfifo(d / SHARD)
+    return SHARD, ["not a regular file"]
+
+
+def missing_config(d):
+    (d / "config.json").unlink()
+    return "config.json", ["config.json"]
+
+
 def _mlx_load(d):
     import mlx.core as mx
     return dict(mx.load(str(d / SHARD)))
@@ -245,6 +305,14 @@ BAD = [
     Bad("missing-shard-file", missing_shard_file, base="sharded"),
     Bad("mlx-missing-scales", mlx_missing_scales, base="mlx"),
     Bad("mlx-scales-shape", mlx_scales_shape, base="mlx"),
+    Bad("hidden-size-zero", hidden_size_zero),
+    Bad("head-dim-overflow", head_dim_overflow),
+    Bad("nan-weight", nan_weight),
+    Bad("inf-weight", inf_weight),
+    Bad("index-outside-folder", index_outside_folder, base="sharded"),
+    Bad("index-dotdot", index_dotdot, base="sharded"),
+    Bad("named-pipe-weights", named_pipe_weights),
+    Bad("missing-config", missing_config),
 ]
 
 
@@ -260,7 +328,7 @@ def test_bad_checkpoint_is_a_clear_error(orchid, ws, tmp_path, bad):
     shutil.copytree(src, d)
     files, names = bad.apply(d)
     files = [files] if isinstance(files, str) else files
-    p = orchid.run(*orchid.eval_args(d, R.tokens_for(CASE)[:8]), timeout=120)
+    p = orchid.run(*orchid.eval_args(d, R.tokens_for(CASE)[:8]), timeout=60)
     err = p.stderr
     ctx = f"{bad.id}: exit {p.returncode}\nstderr:\n{err[-2000:]}"
     assert p.returncode != 0, f"orchid accepted a broken checkpoint ({ctx})"
@@ -268,3 +336,103 @@ def test_bad_checkpoint_is_a_clear_error(orchid, ws, tmp_path, bad):
     assert p.returncode != 101 and "panicked" not in err, f"orchid panicked ({ctx})"
     assert any(f in err for f in files), f"stderr names none of the files {files} ({ctx})"
     assert any(n in err for n in names), f"stderr names none of {names[:6]} ({ctx})"
+    assert p.returncode == 3, f"a broken model folder must exit with code 3 ({ctx})"
+    assert "root:" not in err, f"file contents in the error ({ctx})"
+
+
+# ---- `run` and `serve` on a broken copy of the bundled model: exit code 3, never a hang ----
+
+BUNDLED = Path(__file__).resolve().parents[2] / "models" / "orchid-tiny"
+TINY = "language_model.model.layers"
+
+
+def _tiny_tensor(d: Path, name: str, value: float):
+    f = d / SHARD
+    header, data = read_header(f)
+    t = header[name]
+    start = t["data_offsets"][0]
+    if t["dtype"] == "BF16":
+        patch = struct.pack("<f", value)[2:]
+    elif t["dtype"] == "F32":
+        patch = struct.pack("<f", value)
+    else:
+        raise AssertionError(t)
+    write_header(f, header, data[:start] + patch + data[start + len(patch):])
+
+
+def _tiny_truncated(d):
+    f = d / SHARD
+    f.write_bytes(f.read_bytes()[: f.stat().st_size * 6 // 10])
+    return [SHARD]
+
+
+def _tiny_nan(d):
+    name = f"{TINY}.1.input_layernorm.weight"
+    _tiny_tensor(d, name, float("nan"))
+    return [SHARD, name]
+
+
+def _tiny_hidden_zero(d):
+    cfg = json.loads((d / "config.json").read_text())
+    (cfg.get("text_config") or cfg)["hidden_size"] = 0
+    (d / "config.json").write_text(json.dumps(cfg))
+    return ["config.json", "hidden_size"]
+
+
+def _tiny_config_vs_weights(d):
+    cfg = json.loads((d / "config.json").read_text())
+    tc = cfg.get("text_config") or cfg
+    tc["num_experts"] = tc["num_experts"] * 2
+    (d / "config.json").write_text(json.dumps(cfg))
+    return [SHARD, "experts"]
+
+
+def _tiny_no_config(d):
+    (d / "config.json").unlink()
+    return ["config.json"]
+
+
+def _tiny_no_tokenizer(d):
+    (d / "tokenizer.json").unlink()
+    return ["tokenizer.json"]
+
+
+def _tiny_template_syntax(d):
+    (d / "chat_template.jinja").write_text("{% if messages %}{{ unclosed")
+    return ["template"]
+
+
+def _tiny_index_outside(d):
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "/etc/passwd"}}))
+    return ["model.safetensors.index.json", "/etc/passwd"]
+
+
+TINY_BAD = {
+    "truncated": _tiny_truncated,
+    "nan-weight": _tiny_nan,
+    "hidden-size-zero": _tiny_hidden_zero,
+    "config-vs-weights": _tiny_config_vs_weights,
+    "missing-config": _tiny_no_config,
+    "missing-tokenizer": _tiny_no_tokenizer,
+    "template-syntax": _tiny_template_syntax,
+    "index-outside-folder": _tiny_index_outside,
+}
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+@pytest.mark.parametrize("case", list(TINY_BAD))
+def test_run_and_serve_exit_3_naming_the_fault(orchid, tmp_path, case, command):
+    d = tmp_path / "model"
+    shutil.copytree(BUNDLED, d)
+    names = TINY_BAD[case](d)
+    args = ["run", "--device", "cpu", "--max-tokens", "2", "--model", str(d), "hi"] if command == "run" else \
+        ["serve", "--device", "cpu", "--port", "0", "--model", str(d)]
+    try:
+        p = subprocess.run([str(orchid.binary), *args], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{command} hung on a broken model folder ({case})")
+    ctx = f"{command} {case}: exit {p.returncode}\nstderr:\n{p.stderr[-2000:]}"
+    assert p.returncode == 3, ctx
+    assert "panicked" not in p.stderr, ctx
+    assert any(n in p.stderr for n in names), ctx
+    assert "root:" not in p.stderr, ctx

@@ -99,7 +99,8 @@ def test_disconnect_of_a_non_streaming_request(server):
     before = server.metrics()["orchid_cancelled_requests_total"]
     s = socket.create_connection((server.host, server.port), timeout=60)
     data = json.dumps({"prompt": "Go on forever", "max_tokens": 3000, "temperature": 0}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(data)).encode() + b"\r\n\r\n" + data)
     wait_for(lambda: server.metrics()["orchid_running_sequences"] >= 1, "the request to start")
     s.close()
     wait_for(lambda: server.metrics()["orchid_running_sequences"] == 0, "the sequence to be freed", 10)

@@ -137,7 +137,8 @@ def test_oversized_body_is_413(server):
     # is crossed while reading. The server answers before the client has sent everything, so
     # send from a thread (ignoring the broken pipe) and read the answer here.
     with socket.create_connection((server.host, server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
 
         def send_body():
             piece = b"x" * (1 << 20)

@@ -32,6 +32,7 @@
 //! text with the fast path on and off.
 
 use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, OnceLock};
@@ -103,10 +104,47 @@ pub struct ModelInfo {
     pub num_layers: usize,
 }
 
+/// Why the engine has no model: loading failed or panicked.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct LoadFailure {
+    pub message: String,
+    /// The model folder is at fault (config, checkpoint, tokenizer), not the device.
+    pub bad_model: bool,
+}
+
+impl LoadFailure {
+    /// As an error for the binary: an [`orchid_model::LoadError`] when the folder is at fault.
+    pub fn into_anyhow(self) -> anyhow::Error {
+        if self.bad_model { anyhow::Error::new(orchid_model::LoadError(self.message)) } else { anyhow::anyhow!(self.message) }
+    }
+}
+
+/// Whether `e` says the model folder is unusable (see [`LoadFailure::bad_model`]).
+pub fn is_bad_model(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<orchid_model::LoadError>().is_some() || c.downcast_ref::<orchid_model::Error>().is_some_and(|e| e.is_load_error())
+    })
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
+}
+
+/// A testing aid: `ORCHID_FAULT=load` (or `step`) makes the engine thread panic while loading
+/// (or at its first step), so that tests can check that no panic leaves a process hanging.
+fn injected_fault(at: &str) {
+    if std::env::var("ORCHID_FAULT").is_ok_and(|v| v == at) {
+        panic!("ORCHID_FAULT={at}: injected panic");
+    }
+}
+
 /// Live counters for /metrics.
 #[derive(Default, Debug)]
 pub struct EngineStats {
     pub queued: AtomicUsize,
+    /// Requests accepted and not yet finished (waiting or running); at most max_seqs + max_queue.
+    pub in_flight: AtomicUsize,
     pub running: AtomicUsize,
     pub state_bytes: AtomicUsize,
     pub state_slots: AtomicUsize,
@@ -137,7 +175,9 @@ enum Command {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: Sender<Command>,
-    info: Arc<OnceLock<Result<ModelInfo, String>>>,
+    info: Arc<OnceLock<Result<ModelInfo, LoadFailure>>>,
+    /// Set when the engine thread panicked after loading (the engine is gone).
+    failed: Arc<OnceLock<String>>,
     stats: Arc<EngineStats>,
     opts: EngineOptions,
     stopped: Arc<AtomicBool>,
@@ -152,7 +192,7 @@ impl EngineHandle {
             Some(Err(_)) => return Err(SubmitError::Stopped),
             None => return Err(SubmitError::NotReady),
         };
-        if self.stopped.load(Ordering::Relaxed) {
+        if self.stopped.load(Ordering::Relaxed) || self.failed.get().is_some() {
             return Err(SubmitError::Stopped);
         }
         if req.prompt.is_empty() {
@@ -161,22 +201,29 @@ impl EngineHandle {
         if req.prompt.len() >= max {
             return Err(SubmitError::ContextLength { prompt: req.prompt.len(), max });
         }
-        // Reserve a queue place; the engine releases it when it admits or drops the request.
-        let q = self.stats.queued.fetch_add(1, Ordering::SeqCst);
-        if q >= self.opts.max_queue {
-            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+        // Every id must index the embedding table: a bad one would fail the whole batch.
+        let vocab = self.info.get().and_then(|r| r.as_ref().ok()).map_or(0, |i| i.vocab_size);
+        if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(SubmitError::InvalidToken { id, vocab });
+        }
+        // Reserve a place (running or waiting); the engine releases it when the request ends.
+        let n = self.stats.in_flight.fetch_add(1, Ordering::SeqCst);
+        if n >= self.opts.max_seqs + self.opts.max_queue {
+            self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::QueueFull);
         }
+        self.stats.queued.fetch_add(1, Ordering::SeqCst);
         let (etx, erx) = unbounded_channel();
         if self.tx.send(Command::Submit(Box::new(req), etx)).is_err() {
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::Stopped);
         }
         Ok(erx)
     }
 
     /// Blocks until the model is loaded (or failed to load).
-    pub fn wait_ready(&self) -> Result<ModelInfo, String> {
+    pub fn wait_ready(&self) -> Result<ModelInfo, LoadFailure> {
         loop {
             if let Some(r) = self.info.get() {
                 return r.clone();
@@ -187,6 +234,11 @@ impl EngineHandle {
 
     pub fn info(&self) -> Option<ModelInfo> {
         self.info.get().and_then(|r| r.as_ref().ok().cloned())
+    }
+
+    /// Why the engine stopped working after loading (its thread panicked), if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.failed.get().cloned()
     }
 
     pub fn stats(&self) -> &EngineStats {
@@ -224,15 +276,25 @@ where
 {
     let (tx, rx) = channel();
     let info = Arc::new(OnceLock::new());
+    let failed = Arc::new(OnceLock::new());
     let stats = Arc::new(EngineStats::default());
-    let (info2, stats2, opts2) = (info.clone(), stats.clone(), opts.clone());
+    let (info2, failed2, stats2, opts2) = (info.clone(), failed.clone(), stats.clone(), opts.clone());
     let thread = std::thread::Builder::new()
         .name("orchid-engine".into())
         .spawn(move || {
-            let (model, fast) = match load() {
-                Ok(l) => (l.model, l.fast_decode),
-                Err(e) => {
-                    let _ = info2.set(Err(format!("{e:#}")));
+            let loaded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                injected_fault("load");
+                load()
+            }));
+            let (model, fast) = match loaded {
+                Ok(Ok(l)) => (l.model, l.fast_decode),
+                Ok(Err(e)) => {
+                    let _ = info2.set(Err(LoadFailure { message: format!("{e:#}"), bad_model: is_bad_model(&e) }));
+                    return;
+                }
+                Err(p) => {
+                    let message = format!("loading the model panicked: {}", panic_message(p.as_ref()));
+                    let _ = info2.set(Err(LoadFailure { message, bad_model: false }));
                     return;
                 }
             };
@@ -251,7 +313,7 @@ where
             let mut state = match model.new_state(StateOptions { max_seqs: opts2.max_seqs, max_context }) {
                 Ok(s) => s,
                 Err(e) => {
-                    let _ = info2.set(Err(e.to_string()));
+                    let _ = info2.set(Err(LoadFailure { message: e.to_string(), bad_model: false }));
                     return;
                 }
             };
@@ -290,12 +352,24 @@ where
                 waiting: VecDeque::new(),
                 running: Vec::new(),
             };
-            e.run(rx);
+            if let Err(p) = std::panic::catch_unwind(AssertUnwindSafe(|| e.run(rx))) {
+                // The engine cannot go on: every request gets an error, the handle says why.
+                let msg = format!("the engine thread panicked: {}", panic_message(p.as_ref()));
+                tracing::error!("{msg}");
+                let _ = failed2.set(msg.clone());
+                for s in std::mem::take(&mut e.running) {
+                    let _ = s.tx.send(Event::Error(msg.clone()));
+                }
+                for (_, tx) in std::mem::take(&mut e.waiting) {
+                    let _ = tx.send(Event::Error(msg.clone()));
+                }
+            }
         })
         .expect("spawning the engine thread");
     EngineHandle {
         tx,
         info,
+        failed,
         stats,
         opts,
         stopped: Arc::new(AtomicBool::new(false)),
@@ -327,6 +401,9 @@ struct Seq<S> {
     device_seed: u64,
     /// Inside a budgeted reasoning block (`req.thinking`) whose end token was not seen yet.
     thinking_open: bool,
+    /// The request got its last event (finished or failed): a closed channel afterwards is not
+    /// a cancellation.
+    ended: bool,
 }
 
 impl<S> Seq<S> {
@@ -413,6 +490,7 @@ impl<B: Backend> Engine<B> {
                     Command::Submit(req, tx) => {
                         if draining.is_some() {
                             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                            self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
                             let _ = tx.send(Event::Error("the server is shutting down".into()));
                         } else {
                             self.waiting.push_back((req, tx));
@@ -428,9 +506,11 @@ impl<B: Backend> Engine<B> {
                         self.state.release(snap);
                     }
                     self.state.free(s.slot);
+                    self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
                 }
                 for (_, tx) in std::mem::take(&mut self.waiting) {
                     self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                    self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
                     let _ = tx.send(Event::Error("the server is shutting down".into()));
                 }
                 break;
@@ -448,7 +528,16 @@ impl<B: Backend> Engine<B> {
         while let Some((req, tx)) = self.waiting.pop_front() {
             if tx.is_closed() {
                 self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let vocab = self.tokenizer.vocab_size().min(self.model.config.vocab_size);
+            if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= vocab) {
+                // Checked at submit too; here so that no caller can fail a whole batch.
+                self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
+                let _ = tx.send(Event::Error(format!("token id {id} is outside the vocabulary (size {vocab})")));
                 continue;
             }
             let Some(slot) = self.state.alloc() else {
@@ -478,6 +567,7 @@ impl<B: Backend> Engine<B> {
                 fast_ok,
                 device_seed,
                 thinking_open: req_thinking,
+                ended: false,
             });
         }
     }
@@ -538,6 +628,7 @@ impl<B: Backend> Engine<B> {
 
     /// One forward call over every decoding sequence plus the next prefill chunks.
     fn step(&mut self) {
+        injected_fault("step");
         // Clients that went away (even mid-prompt) free their slots now.
         let gone: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].tx.is_closed()).collect();
         self.retire(&gone);
@@ -583,6 +674,7 @@ impl<B: Backend> Engine<B> {
                 tracing::error!("{msg}");
                 for &i in &members {
                     let _ = self.running[i].tx.send(Event::Error(msg.clone()));
+                    self.running[i].ended = true;
                 }
                 self.retire(&members);
                 return;
@@ -656,6 +748,7 @@ impl<B: Backend> Engine<B> {
                 let msg = format!("inference failed: {e}");
                 tracing::error!("{msg} ({})", fast.name());
                 let _ = self.running[0].tx.send(Event::Error(msg));
+                self.running[0].ended = true;
                 self.retire(&[0]);
             }
         }
@@ -668,7 +761,7 @@ impl<B: Backend> Engine<B> {
         idx.sort_unstable();
         for &i in idx.iter().rev() {
             let mut s = self.running.remove(i);
-            if s.tx.is_closed() {
+            if !s.ended && s.tx.is_closed() {
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
             }
             if let Some((len, snap)) = s.pending.take() {
@@ -678,6 +771,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
             self.state.free(s.slot);
+            self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -726,6 +820,7 @@ fn emit<S>(s: &mut Seq<S>, tok: u32, lp: Option<crate::sampling::TokenLogprob>, 
             },
         };
         let _ = s.tx.send(Event::Finished { reason, text, usage, stop_reason });
+        s.ended = true;
         false
     };
     // The text before a matched stop string, plus the stop string when the request keeps it.

@@ -116,6 +116,8 @@ pub enum SubmitError {
     ContextLength { prompt: usize, max: usize },
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    InvalidToken { id: u32, vocab: usize },
     #[error("the model is still loading")]
     NotReady,
     #[error("the engine has stopped")]

@@ -50,6 +50,12 @@ pub struct Tokenizer {
     /// Whether the decoder is plain byte-level (GPT-2 byte <-> unicode map), so that each
     /// token maps to a fixed byte string and decoding is byte concatenation.
     byte_level: bool,
+    /// The texts of the added tokens flagged `special` (`<|im_start|>` ...).
+    special_texts: Vec<String>,
+    /// The same tokenizer with special tokens encoded as plain text (made on first use).
+    plain: std::sync::OnceLock<tokenizers::Tokenizer>,
+    /// Bytes of the longest token (computed on first use).
+    longest: std::sync::OnceLock<usize>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -77,11 +83,11 @@ impl Tokenizer {
             .map_err(|e| anyhow!("{}: {e}", path.display()))?;
         inner.with_padding(None);
 
-        let added = inner
-            .get_added_tokens_decoder()
-            .into_iter()
-            .map(|(id, tok)| (id, tok.special))
-            .collect();
+        let decoder = inner.get_added_tokens_decoder();
+        let added = decoder.iter().map(|(&id, tok)| (id, tok.special)).collect();
+        let mut special_texts: Vec<String> =
+            decoder.values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.clone()).collect();
+        special_texts.sort();
         let byte_level = matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
         let markers = MarkerIds {
             think_start: inner.token_to_id("<think>"),
@@ -95,6 +101,9 @@ impl Tokenizer {
             markers,
             added,
             byte_level,
+            special_texts,
+            plain: std::sync::OnceLock::new(),
+            longest: std::sync::OnceLock::new(),
         };
         tok.eos_token_ids = tok.collect_eos_ids(dir)?;
         Ok(tok)
@@ -108,6 +117,58 @@ impl Tokenizer {
             .encode_fast(text, add_special_tokens)
             .map_err(|e| anyhow!("tokenizer encode failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Encodes `text` (no post-processor) with the special tokens written inside the byte
+    /// ranges `plain` encoded as ordinary text, as transformers does with
+    /// `split_special_tokens=True`: a user who types `<|im_start|>` gets those characters, not a
+    /// role marker. Outside `plain`, and where no special token is written, it is [`encode`].
+    ///
+    /// [`encode`]: Tokenizer::encode
+    pub fn encode_with_plain(&self, text: &str, plain: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
+        let mut cuts: Vec<std::ops::Range<usize>> = Vec::new();
+        for r in plain {
+            let span = &text[r.clone()];
+            for sp in &self.special_texts {
+                cuts.extend(span.match_indices(sp.as_str()).map(|(i, m)| r.start + i..r.start + i + m.len()));
+            }
+        }
+        if cuts.is_empty() {
+            return self.encode(text, false);
+        }
+        cuts.sort_by_key(|r| (r.start, std::cmp::Reverse(r.end)));
+        let plain_tok = self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let mut ids = Vec::new();
+        let mut at = 0;
+        for c in cuts {
+            if c.start < at {
+                continue; // overlaps a cut already taken
+            }
+            ids.extend(self.encode(&text[at..c.start], false)?);
+            let enc = plain_tok.encode_fast(&text[c.clone()], false).map_err(|e| anyhow!("tokenizer encode failed: {e}"))?;
+            ids.extend_from_slice(enc.get_ids());
+            at = c.end;
+        }
+        ids.extend(self.encode(&text[at..], false)?);
+        Ok(ids)
+    }
+
+    /// Whether `text` contains the text of a special token.
+    pub fn contains_special_text(&self, text: &str) -> bool {
+        self.special_texts.iter().any(|s| text.contains(s.as_str()))
+    }
+
+    /// Bytes of the longest token in the vocabulary (added tokens included): a text of `n` bytes
+    /// has at least `n / longest_token_bytes()` tokens (before normalization).
+    pub fn longest_token_bytes(&self) -> usize {
+        *self.longest.get_or_init(|| {
+            let vocab = self.inner.get_vocab(true);
+            vocab.iter().map(|(t, &id)| self.token_bytes(id, false).map_or(t.len(), |b| b.len())).max().unwrap_or(1).max(1)
+        })
     }
 
     /// Decodes `ids` to text (invalid UTF-8 becomes U+FFFD, unknown ids are dropped, like HF).

@@ -178,8 +178,7 @@ impl ModelConfig {
     /// Reads `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::Io { path: path.clone(), msg: e.to_string() })?;
+        let text = crate::checkpoint::read_regular_file(&path)?;
         Self::from_json_str(&text).map_err(|e| e.in_file(&path))
     }
 
@@ -257,8 +256,10 @@ impl ModelConfig {
         let num_heads = r.num_attention_heads.unwrap_or(16);
         let num_kv_heads = r.num_key_value_heads.unwrap_or(2);
         let head_dim = r.head_dim.unwrap_or(256);
-        if num_heads == 0 || num_kv_heads == 0 || head_dim == 0 {
-            return Err(field("num_attention_heads", "head counts and head_dim must be positive"));
+        for (name, v) in [("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads), ("head_dim", head_dim)] {
+            if v == 0 {
+                return Err(field(name, "must be at least 1"));
+            }
         }
         if num_heads % num_kv_heads != 0 {
             return Err(field(
@@ -291,7 +292,18 @@ impl ModelConfig {
             v_head_dim: r.linear_value_head_dim.unwrap_or(128),
             conv_kernel: r.linear_conv_kernel_dim.unwrap_or(4),
         };
-        if deltanet.num_k_heads == 0 || deltanet.num_v_heads % deltanet.num_k_heads != 0 {
+        for (name, v) in [
+            ("linear_num_key_heads", deltanet.num_k_heads),
+            ("linear_num_value_heads", deltanet.num_v_heads),
+            ("linear_key_head_dim", deltanet.k_head_dim),
+            ("linear_value_head_dim", deltanet.v_head_dim),
+            ("linear_conv_kernel_dim", deltanet.conv_kernel),
+        ] {
+            if v == 0 {
+                return Err(field(name, "must be at least 1"));
+            }
+        }
+        if !deltanet.num_v_heads.is_multiple_of(deltanet.num_k_heads) {
             return Err(field(
                 "linear_num_value_heads",
                 format!(
@@ -300,14 +312,14 @@ impl ModelConfig {
                 ),
             ));
         }
-        if deltanet.k_head_dim == 0 || deltanet.v_head_dim == 0 || deltanet.conv_kernel < 1 {
-            return Err(field("linear_key_head_dim", "GDN head dims and conv kernel must be positive"));
-        }
 
         // MoE.
         let num_experts = r.num_experts.unwrap_or(if family == Family::Qwen3Next { 512 } else { 256 });
         let top_k = r.num_experts_per_tok.unwrap_or(if family == Family::Qwen3Next { 10 } else { 8 });
-        if num_experts == 0 || top_k == 0 || top_k > num_experts {
+        if num_experts == 0 {
+            return Err(field("num_experts", "must be at least 1"));
+        }
+        if top_k == 0 || top_k > num_experts {
             return Err(field(
                 "num_experts_per_tok",
                 format!("{top_k} experts per token with {num_experts} experts"),
@@ -347,7 +359,7 @@ impl ModelConfig {
             return Err(field("rms_norm_eps", "must be in (0, 1)"));
         }
         let bos = ids_of(&r.bos_token_id, "bos_token_id")?.first().copied();
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             family,
             hidden_size,
             vocab_size,
@@ -363,7 +375,68 @@ impl ModelConfig {
             eos_token_ids: ids_of(&r.eos_token_id, "eos_token_id")?,
             bos_token_id: bos,
             mtp_layers: r.mtp_num_hidden_layers.unwrap_or(0),
-        })
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Every size is at least 1, head counts divide, and no weight or state size overflows
+    /// (sizes are multiplied into tensor lengths and byte counts everywhere downstream).
+    fn validate(&self) -> Result<()> {
+        let (a, d, m) = (&self.attention, &self.deltanet, &self.moe);
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("num_hidden_layers", self.num_layers()),
+            ("num_attention_heads", a.num_heads),
+            ("num_key_value_heads", a.num_kv_heads),
+            ("head_dim", a.head_dim),
+            ("linear_num_key_heads", d.num_k_heads),
+            ("linear_num_value_heads", d.num_v_heads),
+            ("linear_key_head_dim", d.k_head_dim),
+            ("linear_value_head_dim", d.v_head_dim),
+            ("linear_conv_kernel_dim", d.conv_kernel),
+            ("num_experts", m.num_experts),
+            ("num_experts_per_tok", m.top_k),
+            ("moe_intermediate_size", m.intermediate),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(field(name, "must be at least 1"));
+            }
+        }
+        if !a.num_heads.is_multiple_of(a.num_kv_heads) {
+            return Err(field("num_key_value_heads", format!("{} does not divide num_attention_heads {}", a.num_kv_heads, a.num_heads)));
+        }
+        if !d.num_v_heads.is_multiple_of(d.num_k_heads) {
+            return Err(field("linear_num_value_heads", format!("{} is not a multiple of linear_num_key_heads {}", d.num_v_heads, d.num_k_heads)));
+        }
+        // The largest tensors and per-sequence states, in elements; each must fit with room for
+        // 4-byte elements and the products built from them.
+        const LIMIT: usize = 1 << 46;
+        let h = self.hidden_size;
+        let products: [(&str, &[usize]); 9] = [
+            ("vocab_size", &[self.vocab_size, h]),
+            ("head_dim", &[a.num_heads, a.head_dim, 2, h]),
+            ("head_dim", &[a.num_kv_heads, a.head_dim, self.max_position_embeddings]),
+            ("linear_key_head_dim", &[d.num_k_heads, d.k_head_dim, 2, h]),
+            ("linear_value_head_dim", &[d.num_v_heads, d.v_head_dim, d.k_head_dim]),
+            ("linear_value_head_dim", &[d.num_v_heads, d.v_head_dim, 2, h]),
+            ("linear_conv_kernel_dim", &[d.num_k_heads * d.k_head_dim + d.num_v_heads * d.v_head_dim, 2, d.conv_kernel]),
+            ("moe_intermediate_size", &[m.num_experts, m.intermediate, 3, h]),
+            ("shared_expert_intermediate_size", &[m.shared_intermediate.max(self.dense_intermediate), 3, h]),
+        ];
+        for (name, dims) in products {
+            let n = dims.iter().try_fold(1usize, |acc, &x| acc.checked_mul(x).filter(|&n| n <= LIMIT));
+            if n.is_none() {
+                return Err(field(name, format!("the sizes {dims:?} give a tensor too large to address")));
+            }
+        }
+        if self.num_layers() > 1 << 16 {
+            return Err(field("num_hidden_layers", "is implausibly large (more than 65536)"));
+        }
+        Ok(())
     }
 
     pub fn num_layers(&self) -> usize {
@@ -462,5 +535,35 @@ mod tests {
         assert!(ModelConfig::from_json_str(&bad).unwrap_err().to_string().contains("rope_type"));
         let e = ModelConfig::from_json_str("{not json").unwrap_err().to_string();
         assert!(e.contains("invalid JSON"), "{e}");
+    }
+
+    #[test]
+    fn every_size_is_checked() {
+        for (from, to, name) in [
+            ("\"hidden_size\": 2048", "\"hidden_size\": 0", "hidden_size"),
+            ("\"vocab_size\": 248320", "\"vocab_size\": 0", "vocab_size"),
+            ("\"num_hidden_layers\": 40", "\"num_hidden_layers\": 0", "num_hidden_layers"),
+            ("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 0", "num_key_value_heads"),
+            ("\"linear_num_key_heads\": 16", "\"linear_num_key_heads\": 0", "linear_num_key_heads"),
+            ("\"linear_conv_kernel_dim\": 4", "\"linear_conv_kernel_dim\": 0", "linear_conv_kernel_dim"),
+            ("\"linear_value_head_dim\": 128", "\"linear_value_head_dim\": 0", "linear_value_head_dim"),
+            ("\"num_experts\": 256", "\"num_experts\": 0", "num_experts"),
+            ("\"moe_intermediate_size\": 512", "\"moe_intermediate_size\": 0", "moe_intermediate_size"),
+            ("\"rms_norm_eps\": 1e-6", "\"rms_norm_eps\": 1e-6, \"max_position_embeddings\": 0", "max_position_embeddings"),
+            ("\"hidden_size\": 2048", "\"hidden_size\": 4611686018427387904", "vocab_size"),
+            ("\"moe_intermediate_size\": 512", "\"moe_intermediate_size\": 1099511627776", "moe_intermediate_size"),
+            ("\"head_dim\": 256", "\"head_dim\": 18446744073709551615", "head_dim"),
+            ("\"num_hidden_layers\": 40", "\"num_hidden_layers\": 40, \"layer_types\": null, \"x\": 0", "x_never"),
+        ] {
+            let bad = QWEN36.replace(from, to);
+            assert_ne!(bad, QWEN36, "{from}");
+            match ModelConfig::from_json_str(&bad) {
+                Ok(_) => assert_eq!(name, "x_never", "{to} was accepted"),
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(e.contains(&format!("`{name}`")), "{to}: {e}");
+                }
+            }
+        }
     }
 }

@@ -22,7 +22,20 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A model folder that cannot be used: its config, checkpoint, tokenizer or chat template is
+/// broken or missing. The message names the file and the tensor or field. The `orchid` binary
+/// exits with code 3 for this error (and for an [`Error`] that [`Error::is_load_error`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct LoadError(pub String);
+
 impl Error {
+    /// Whether this error is about the model folder (config, checkpoint files, tensors) rather
+    /// than about running the model (an op or a device failure).
+    pub fn is_load_error(&self) -> bool {
+        !matches!(self, Error::Op { .. } | Error::Backend(_))
+    }
+
     /// Attaches the file a config error came from.
     pub fn in_file(self, file: &Path) -> Error {
         match self {

@@ -19,7 +19,7 @@ pub mod writer;
 pub use backend::{Backend, StateOptions, StatePool};
 pub use batch::{BatchLayout, LogitRows, SeqSpan};
 pub use config::{LayerKind, ModelConfig};
-pub use error::{Error, Result};
+pub use error::{Error, LoadError, Result};
 pub use fast_decode::{DecodeStep, DeviceSampling, FastDecode};
 pub use model::Model;
 
@@ -28,5 +28,6 @@ pub fn load_model<B: Backend>(dir: &std::path::Path, backend: B) -> Result<Model
     let config = ModelConfig::load(dir)?;
     let ck = checkpoint::Checkpoint::open(dir)?;
     let host = weights::load(&config, &ck)?;
+    ck.check_finite()?;
     Model::new(config, backend, &host)
 }

@@ -72,6 +72,10 @@ pub struct SafetensorsFile {
 impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<SafetensorsFile> {
         let io = |e: std::io::Error| Error::Io { path: path.to_path_buf(), msg: e.to_string() };
+        // A named pipe or a device would block (or never end) when read: check the type first.
+        if !std::fs::metadata(path).map_err(io)?.is_file() {
+            return Err(Error::Checkpoint { file: path.to_path_buf(), msg: "not a regular file".into() });
+        }
         let file = std::fs::File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len == 0 {
@@ -92,14 +96,16 @@ impl SafetensorsFile {
         }
         let n = u64::from_le_bytes(all[..8].try_into().unwrap());
         if n > MAX_HEADER || 8 + n > all.len() as u64 {
+            // The length field is not echoed: for a file that is not safetensors it is just the
+            // file's first bytes.
             return Err(bad(format!(
-                "invalid or truncated header: header length {n} but the file has {} bytes",
+                "invalid or truncated header: the header length field does not fit the file ({} bytes); not a safetensors file?",
                 all.len()
             )));
         }
         let header_end = 8 + n as usize;
         let header: Value = serde_json::from_slice(&all[8..header_end])
-            .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+            .map_err(|e| bad(format!("header is not valid JSON (line {}, column {})", e.line(), e.column())))?;
         let Value::Object(entries) = header else {
             return Err(bad("header is not a JSON object".into()));
         };

@@ -1,6 +1,7 @@
 //! The JSON request body extractor. Unlike axum's `Json`, every failure (too large, not JSON,
-//! not an object, unreadable) is an [`ApiError`], so it gets the OpenAI envelope; and the
-//! `Content-Type` header is not required (curl users forget it).
+//! not an object, unreadable, too slow) is an [`ApiError`], so it gets the OpenAI envelope.
+//! The body must be declared `Content-Type: application/json` (415 otherwise): a web page can
+//! send `text/plain` to a local server without a CORS preflight, but not JSON.
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
@@ -17,6 +18,14 @@ impl FromRequest<AppState> for JsonBody {
 
     async fn from_request(req: Request, st: &AppState) -> Result<Self, ApiError> {
         let limit = st.config.max_body_bytes;
+        let ctype = req.headers().get(header::CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let is_json = ctype.as_deref().is_some_and(|c| {
+            let essence = c.split(';').next().unwrap_or("").trim();
+            essence.eq_ignore_ascii_case("application/json")
+        });
+        if !is_json {
+            return Err(ApiError::unsupported_media_type(ctype.as_deref()));
+        }
         // Refuse a declared oversize body before reading any of it.
         let declared = req
             .headers()
@@ -26,7 +35,11 @@ impl FromRequest<AppState> for JsonBody {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::too_large(limit));
         }
-        let bytes = Bytes::from_request(req, st).await.map_err(|r| {
+        let timeout = st.config.body_timeout;
+        let read = tokio::time::timeout(timeout, Bytes::from_request(req, st))
+            .await
+            .map_err(|_| ApiError::body_timeout(timeout.as_secs_f64()))?;
+        let bytes = read.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::too_large(limit)
             } else {

@@ -43,7 +43,67 @@ pub(crate) struct Plan {
     pub tools: Option<(ToolSchemas, String)>,
 }
 
-pub(crate) fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<Plan, ApiError> {
+/// Roles whose text comes from the client (its special tokens are encoded as plain text).
+const PLAIN_ROLES: [&str; 3] = ["user", "system", "tool"];
+
+/// Renders the conversation and finds where the texts of user, system and tool messages that
+/// spell special tokens ended up in it, so that those tokens can be encoded as plain text.
+/// The template is rendered a second time with a placeholder for each such text; the
+/// placeholders' positions are exact when putting the texts back (as given, or trimmed as
+/// templates often do) reproduces the real rendering. When it does not (a template that
+/// transforms the text), no range is returned.
+fn render_with_plain_spans(
+    template: &ChatTemplate,
+    tok: &Tokenizer,
+    messages: &[Value],
+    tools: Option<&[Value]>,
+    add_generation_prompt: bool,
+    kwargs: &Map<String, Value>,
+) -> Result<(String, Vec<std::ops::Range<usize>>), ApiError> {
+    let text = template.render(messages, tools, add_generation_prompt, kwargs)?;
+    let marked: Vec<(usize, &str)> = messages
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.get("role").and_then(Value::as_str).is_some_and(|r| PLAIN_ROLES.contains(&r)))
+        .filter_map(|(i, m)| m.get("content").and_then(Value::as_str).map(|c| (i, c)))
+        .filter(|(_, c)| tok.contains_special_text(c))
+        .collect();
+    if marked.is_empty() {
+        return Ok((text, Vec::new()));
+    }
+    let placeholder = |n: usize| format!("\u{E000}orchid-text-{n}\u{E001}");
+    let mut with_placeholders = messages.to_vec();
+    for (n, &(i, _)) in marked.iter().enumerate() {
+        with_placeholders[i]["content"] = Value::from(placeholder(n));
+    }
+    let Ok(shape) = template.render(&with_placeholders, tools, add_generation_prompt, kwargs) else {
+        return Ok((text, Vec::new()));
+    };
+    for trim in [false, true] {
+        let (mut rebuilt, mut spans, mut at) = (String::with_capacity(text.len()), Vec::new(), 0);
+        let mut complete = true;
+        for (n, &(_, content)) in marked.iter().enumerate() {
+            let p = placeholder(n);
+            let Some(i) = shape[at..].find(&p).map(|i| at + i) else {
+                complete = false;
+                break;
+            };
+            rebuilt.push_str(&shape[at..i]);
+            let c = if trim { content.trim() } else { content };
+            spans.push(rebuilt.len()..rebuilt.len() + c.len());
+            rebuilt.push_str(c);
+            at = i + p.len();
+        }
+        rebuilt.push_str(&shape[at..]);
+        if complete && rebuilt == text {
+            return Ok((text, spans));
+        }
+    }
+    tracing::debug!("the chat template transforms message texts; special tokens in them stay special");
+    Ok((text, Vec::new()))
+}
+
+pub(crate) fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest, max_context: usize) -> Result<Plan, ApiError> {
     let mut kwargs = req.template_kwargs.clone();
     let forced = match &req.tool_choice {
         ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
@@ -59,7 +119,7 @@ pub(crate) fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) 
         req.tools.as_deref()
     };
     let add_prompt = req.add_generation_prompt && !req.continue_final_message;
-    let mut text = template.render(&req.messages, tools, add_prompt, &kwargs)?;
+    let (mut text, plain) = render_with_plain_spans(template, tok, &req.messages, tools, add_prompt, &kwargs)?;
     if req.continue_final_message {
         // Assistant prefill: the prompt ends where the final message's text ends.
         let last = req.messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
@@ -81,9 +141,7 @@ pub(crate) fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) 
     if let Some(f) = &forced {
         text.push_str(f);
     }
-    let prompt = tok
-        .encode(&text, false)
-        .map_err(|e| ApiError::internal(format!("tokenizing the prompt failed: {e:#}")))?;
+    let prompt = AppState::encode_prompt(tok, &text, false, &plain, max_context, "messages")?;
     let tools = tools.map(|t| (ToolSchemas::from_tools(t), forced.unwrap_or_default()));
     Ok(Plan { prompt, reasoning, tools })
 }
@@ -168,7 +226,8 @@ pub(crate) async fn start_chat(st: &AppState, req: ChatRequest, arrived: Instant
         .clone()
         .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
     let tok = st.tokenizer.clone();
-    let (plan, req) = AppState::blocking(move || plan(&template, &tok, &req).map(|p| (p, req))).await?;
+    let max_context = info.max_context;
+    let (plan, req) = st.blocking(move || plan(&template, &tok, &req, max_context).map(|p| (p, req))).await?;
     if plan.prompt.len() >= info.max_context {
         return Err(ApiError::context_length("messages", plan.prompt.len(), info.max_context));
     }
@@ -180,7 +239,12 @@ pub(crate) async fn start_chat(st: &AppState, req: ChatRequest, arrived: Instant
     {
         g.thinking = Some(ThinkingBudget { budget, end_token });
     }
-    let runs = submit_n(st, g, c.extras.n, arrived)?;
+    let runs = submit_n(st, g, c.extras.n, arrived).map_err(|mut e| {
+        if e.param.as_deref() == Some("prompt") {
+            e.param = Some("messages".into());
+        }
+        e
+    })?;
     let runs = runs
         .into_iter()
         .map(|run| {

@@ -29,11 +29,10 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
     let info = st.ready()?;
     let tok = st.tokenizer.clone();
     let prompt = req.prompt.clone();
-    let (ids, prompt_text) = AppState::blocking(move || match prompt {
+    let max_context = info.max_context;
+    let (ids, prompt_text) = st.blocking(move || match prompt {
         Prompt::Text(t) => {
-            let ids = tok
-                .encode(&t, true)
-                .map_err(|e| ApiError::internal(format!("tokenizing the prompt failed: {e:#}")))?;
+            let ids = AppState::encode_prompt(&tok, &t, true, &[], max_context, "prompt")?;
             Ok((ids, t))
         }
         Prompt::Tokens(ids) => {

@@ -67,6 +67,46 @@ impl ApiError {
         e
     }
 
+    /// 400: the prompt is known to be too long before it was counted exactly.
+    pub fn context_length_over(param: &str, at_least: usize, max: usize) -> ApiError {
+        let mut e = ApiError::context_length(param, at_least, max);
+        e.message = format!(
+            "This model's maximum context length is {max} tokens, but the prompt has at least {at_least} tokens (room must be left for at least one generated token)."
+        );
+        e
+    }
+
+    /// 401: `/v1/*` needs the API key.
+    pub fn unauthorized() -> ApiError {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("invalid_api_key"),
+            "Missing or incorrect API key: send it as `Authorization: Bearer <key>`.",
+        )
+    }
+
+    /// 408: the client did not send the request body in time.
+    pub fn body_timeout(secs: f64) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            Some("request_timeout"),
+            format!("The request body did not arrive within {secs} seconds."),
+        )
+    }
+
+    /// 415: a body that is not declared as JSON.
+    pub fn unsupported_media_type(got: Option<&str>) -> ApiError {
+        let got = got.map_or("no Content-Type".to_string(), |g| format!("Content-Type `{g}`"));
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            Some("unsupported_media_type"),
+            format!("The request body must be JSON sent with `Content-Type: application/json` (got {got})."),
+        )
+    }
+
     /// 404: no such model.
     pub fn unknown_model(model: &str, served: &str) -> ApiError {
         let mut e = ApiError::new(
@@ -176,6 +216,9 @@ impl From<SubmitError> for ApiError {
             SubmitError::QueueFull => ApiError::overloaded(),
             SubmitError::ContextLength { prompt, max } => ApiError::context_length("messages", prompt, max),
             SubmitError::EmptyPrompt => ApiError::invalid("prompt", "The prompt is empty."),
+            SubmitError::InvalidToken { id, vocab } => {
+                ApiError::invalid("prompt", format!("The prompt holds token id {id}, outside the vocabulary (size {vocab})."))
+            }
             SubmitError::NotReady => ApiError::unavailable("The model is still loading."),
             SubmitError::Stopped => ApiError::unavailable("The server is shutting down."),
         }

@@ -3,17 +3,33 @@
 //! Shutdown (SIGINT/SIGTERM, or the caller's future): the listener closes and new requests on
 //! open connections get 503; running requests may finish for `shutdown_grace`, after which
 //! (or at a second signal) the engine cancels them (streams end with an error event,
-//! non-streaming requests get 503). When the last connection has closed the engine thread is
-//! joined and `serve` returns.
+//! non-streaming requests get 503). When the last connection has closed, or at the latest
+//! [`CLOSE_MARGIN`] after the grace period whatever clients do, the engine thread is joined
+//! and `serve` returns.
+//!
+//! Connections: at most `max_connections` are open at once (further clients wait in the
+//! listen backlog); a client has `header_timeout` to send a request head, counted from when
+//! the connection opened or its previous response ended (so it is also the idle keep-alive
+//! timeout), and `body_timeout` to send the body.
+//!
+//! An engine that fails (its thread panicked) fails `/health` and ends `serve` with an error.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Result, anyhow};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use orchid_engine::engine::ModelInfo;
 use tokio::net::TcpListener;
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, Semaphore, watch};
+
+/// How long after the grace period connections still open are closed regardless.
+pub const CLOSE_MARGIN: Duration = Duration::from_secs(1);
 
 use crate::routes::router;
 use crate::state::AppState;
@@ -53,7 +69,7 @@ async fn serve_until(
 
     // Stop: set by a shutdown request, or by a failed model load.
     let (stop_tx, mut stop_rx) = watch::channel(false);
-    let load_error: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let load_error: Arc<std::sync::Mutex<Option<anyhow::Error>>> = Arc::default();
     {
         let (st, stop_tx, load_error) = (st.clone(), stop_tx.clone(), load_error.clone());
         tokio::spawn(async move {
@@ -62,12 +78,32 @@ async fn serve_until(
                 Ok(Ok(info)) => announce(&st, &info, addr),
                 Ok(Err(e)) => {
                     tracing::error!("loading the model failed: {e}");
-                    *load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    *load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.into_anyhow().context("the model could not be loaded"));
                     let _ = stop_tx.send(true);
                 }
                 Err(e) => {
-                    *load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("model loader crashed: {e}"));
+                    *load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(anyhow!("model loader crashed: {e}"));
                     let _ = stop_tx.send(true);
+                }
+            }
+        });
+    }
+    // An engine that stops working ends the server (after /health has said so).
+    {
+        let (st, stop_tx, load_error, mut stop_rx) = (st.clone(), stop_tx.clone(), load_error.clone(), stop_rx.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    _ = stop_rx.wait_for(|s| *s) => return,
+                }
+                if let Some(msg) = st.engine.failure() {
+                    tracing::error!("the engine failed ({msg}); shutting down");
+                    *load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(anyhow!("{msg}"));
+                    // Give health checks a moment to see the failure.
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    let _ = stop_tx.send(true);
+                    return;
                 }
             }
         });
@@ -98,11 +134,44 @@ async fn serve_until(
     }
 
     let app = router(st.clone());
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = stop_rx.wait_for(|s| *s).await;
-        })
-        .await?;
+    let limit = Arc::new(Semaphore::new(st.config.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    // HTTP/1.1 only: the HTTP/2 prior-knowledge detection waits for a first byte with no timeout,
+    // which would let idle connections stay open forever.
+    let mut builder = Builder::new(TokioExecutor::new()).http1_only();
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(st.config.header_timeout);
+    loop {
+        let permit = tokio::select! {
+            p = limit.clone().acquire_owned() => p.expect("the connection semaphore is never closed"),
+            _ = stop_rx.wait_for(|s| *s) => break,
+        };
+        let tcp = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of descriptors and the like: wait a little instead of spinning.
+                    tracing::warn!("accepting a connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop_rx.wait_for(|s| *s) => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let conn = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone())).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    // Connections close after their current request; requests end within the grace period (the
+    // engine cancels what still runs then). Whatever clients do, stop waiting soon after.
+    let open = graceful.count();
+    if tokio::time::timeout(st.config.shutdown_grace + CLOSE_MARGIN, graceful.shutdown()).await.is_err() {
+        tracing::warn!("closing the connections still open after the shutdown timeout ({open} were open at the stop)");
+    }
 
     st.begin_shutdown();
     if st.engine.info().is_some() {
@@ -110,7 +179,7 @@ async fn serve_until(
         let _ = tokio::task::spawn_blocking(move || engine.shutdown(true)).await;
     }
     if let Some(e) = load_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        return Err(anyhow!("the model could not be loaded: {e}"));
+        return Err(e);
     }
     tracing::info!("server stopped");
     Ok(())

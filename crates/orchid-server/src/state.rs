@@ -28,6 +28,18 @@ pub struct ServerConfig {
     /// Sampling for fields a request leaves unset (normally the checkpoint's
     /// generation_config.json, as vLLM does).
     pub sampling_defaults: SamplingParams,
+    /// Time a client has to send a request head (also the idle keep-alive timeout).
+    pub header_timeout: Duration,
+    /// Time a client has to send a request body once the head has arrived (408 after).
+    pub body_timeout: Duration,
+    /// Connections open at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// When set, `/v1/*` requires `Authorization: Bearer <key>` (or `x-api-key: <key>`).
+    pub api_key: Option<String>,
+    /// Origins browsers may call the API from (CORS); empty: none; `*`: any.
+    pub allowed_origins: Vec<String>,
+    /// Prompts tokenized at once (tokenizing is CPU-bound and runs off the async workers).
+    pub tokenize_concurrency: usize,
 }
 
 impl ServerConfig {
@@ -38,6 +50,12 @@ impl ServerConfig {
             max_body_bytes: 8 << 20,
             shutdown_grace: Duration::from_secs(10),
             sampling_defaults: SamplingParams::default(),
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(60),
+            max_connections: 512,
+            api_key: None,
+            allowed_origins: Vec::new(),
+            tokenize_concurrency: std::thread::available_parallelism().map_or(2, |n| n.get()),
         }
     }
 }
@@ -53,6 +71,8 @@ pub struct Inner {
     pub template: Option<Arc<ChatTemplate>>,
     pub config: ServerConfig,
     pub metrics: Metrics,
+    /// Permits for request preparation (template rendering, tokenizing).
+    prepare_permits: Arc<tokio::sync::Semaphore>,
     shutting_down: AtomicBool,
     /// Unix time the server started (`created` of the model object).
     pub started: u64,
@@ -71,8 +91,9 @@ impl AppState {
             engine,
             tokenizer,
             template,
-            config,
             metrics: Metrics::default(),
+            prepare_permits: Arc::new(tokio::sync::Semaphore::new(config.tokenize_concurrency.max(1))),
+            config,
             shutting_down: AtomicBool::new(false),
             started: crate::openai::unix_now(),
         }))
@@ -93,6 +114,48 @@ impl AppState {
             Some(m) if m != self.config.model_id => Err(ApiError::unknown_model(m, &self.config.model_id)),
             _ => Ok(()),
         }
+    }
+
+    /// Encodes a prompt text of a request limited to `max_context` tokens, refusing a text that
+    /// cannot fit on cheap bounds before paying for the whole encoding: first its length in
+    /// bytes against the longest token, then (for long texts) a count over pieces that stops
+    /// as soon as the limit is passed. `plain`: byte ranges whose special tokens are plain text
+    /// (see [`Tokenizer::encode_with_plain`]). Runs on a blocking thread.
+    pub fn encode_prompt(tok: &Tokenizer, text: &str, add_special: bool, plain: &[std::ops::Range<usize>], max_context: usize, param: &str) -> Result<Vec<u32>, ApiError> {
+        let fail = |e: anyhow::Error| ApiError::internal(format!("tokenizing the prompt failed: {e:#}"));
+        // Normalization can change byte counts a little; a factor of 2 keeps the bound safe.
+        let at_least = text.len() / (2 * tok.longest_token_bytes());
+        if at_least >= max_context {
+            return Err(ApiError::context_length_over(param, at_least, max_context));
+        }
+        const PIECE: usize = 64 << 10;
+        if text.len() > 4 * PIECE {
+            let (mut count, mut pieces, mut at) = (0usize, 0usize, 0usize);
+            while at < text.len() {
+                let mut end = (at + PIECE).min(text.len());
+                while !text.is_char_boundary(end) {
+                    end += 1;
+                }
+                // Cut after whitespace where there is some nearby, so pieces split as words do.
+                if end < text.len()
+                    && let Some(ws) = text[at..end].rfind(char::is_whitespace).filter(|&i| i > PIECE / 2)
+                {
+                    end = at + ws;
+                }
+                count += tok.encode(&text[at..end], false).map_err(fail)?.len();
+                pieces += 1;
+                at = end;
+                // A cut can change the count by a token or two; allow for it.
+                if count >= max_context + 2 * pieces {
+                    return Err(ApiError::context_length_over(param, count - 2 * pieces, max_context));
+                }
+            }
+        }
+        let ids = if add_special { tok.encode(text, true) } else { tok.encode_with_plain(text, plain) }.map_err(fail)?;
+        if ids.len() >= max_context {
+            return Err(ApiError::context_length(param, ids.len(), max_context));
+        }
+        Ok(ids)
     }
 
     /// The loaded model's facts, or 503 while loading / shutting down.
@@ -125,9 +188,15 @@ impl AppState {
     }
 
     /// Runs CPU-bound request preparation (template rendering, tokenizing) off the async
-    /// workers; a panic there becomes a 500.
-    pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-        match tokio::task::spawn_blocking(f).await {
+    /// workers, at most `tokenize_concurrency` at once; a panic there becomes a 500.
+    pub async fn blocking<T: Send + 'static>(&self, f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+        let permit = self.prepare_permits.clone().acquire_owned().await.map_err(|_| ApiError::unavailable("The server is shutting down."))?;
+        let run = move || {
+            let r = f();
+            drop(permit);
+            r
+        };
+        match tokio::task::spawn_blocking(run).await {
             Ok(r) => r,
             Err(e) if e.is_panic() => Err(ApiError::from_panic(e.into_panic().as_ref())),
             Err(e) => Err(ApiError::internal(format!("request preparation failed: {e}"))),

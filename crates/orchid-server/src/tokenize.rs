@@ -38,7 +38,7 @@ pub async fn tokenize(State(st): State<AppState>, JsonBody(body): JsonBody) -> R
         (Some(Value::String(p)), None) => {
             let add = flag("add_special_tokens")?.unwrap_or(true);
             let p = p.clone();
-            AppState::blocking(move || tok.encode(&p, add).map_err(|e| ApiError::internal(format!("tokenizing failed: {e:#}")))).await?
+            st.blocking(move || tok.encode(&p, add).map_err(|e| ApiError::internal(format!("tokenizing failed: {e:#}")))).await?
         }
         (None, Some(_)) => {
             // The chat fields only: sampling fields would not mean anything here.
@@ -53,7 +53,8 @@ pub async fn tokenize(State(st): State<AppState>, JsonBody(body): JsonBody) -> R
                 .template
                 .clone()
                 .ok_or_else(|| ApiError::bad_request("This model has no chat template; tokenize a `prompt` instead."))?;
-            AppState::blocking(move || crate::chat::plan(&template, &tok, &req).map(|p| p.prompt)).await?
+            // Counting is the point here: no context limit (the body limit bounds the work).
+            st.blocking(move || crate::chat::plan(&template, &tok, &req, usize::MAX).map(|p| p.prompt)).await?
         }
         (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give either `prompt` or `messages`, not both")),
         (Some(_), None) => return Err(ApiError::invalid("prompt", "`prompt` must be a string")),
@@ -87,6 +88,6 @@ pub async fn detokenize(State(st): State<AppState>, JsonBody(body): JsonBody) ->
         None => return Err(ApiError::invalid("tokens", "`tokens` is required")),
     };
     let tok = st.tokenizer.clone();
-    let text = AppState::blocking(move || Ok(tok.decode(&ids, false))).await?;
+    let text = st.blocking(move || Ok(tok.decode(&ids, false))).await?;
     Ok(axum::Json(json!({"prompt": text})).into_response())
 }

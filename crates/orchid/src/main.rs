@@ -35,13 +35,28 @@ enum Command {
     RenderChat(cmd::tokenize::RenderChatArgs),
 }
 
+/// Standard error that ignores write errors: with stderr a closed pipe, logging must neither
+/// panic nor block anything else.
+struct Stderr;
+
+impl std::io::Write for Stderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("ORCHID_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(|| Stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
@@ -57,9 +72,11 @@ fn main() {
         Command::RenderChat(a) => cmd::tokenize::run_render_chat(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
-        // 3: the model folder is unusable (config, checkpoint, tokenizer); 1: anything else.
-        let bad_model = e.chain().any(|c| c.downcast_ref::<orchid_model::Error>().is_some());
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "error: {e:#}");
+        // 3: the model folder is unusable (config, checkpoint, tokenizer, chat template);
+        // 1: anything else (the device, running the model, the command's own work).
+        let bad_model = orchid_engine::engine::is_bad_model(&e);
         std::process::exit(if bad_model { 3 } else { 1 });
     }
 }

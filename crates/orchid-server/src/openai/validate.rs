@@ -75,6 +75,16 @@ pub use extras::{Extras, log_unknown_fields};
 pub const MAX_TOP_LOGPROBS: usize = 20;
 /// Most stop strings per request.
 pub const MAX_STOP: usize = 16;
+/// Longest stop string, in bytes (stop strings are short markers; vLLM and OpenAI bound them too).
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Smallest `repetition_penalty` (logits are divided by it: a value near 0 is not a penalty).
+pub const MIN_REPETITION_PENALTY: f64 = 0.01;
+/// Names a request may not set through `chat_template_kwargs`: the variables the server passes
+/// itself and the template language's built-in functions (replacing them breaks rendering).
+pub const RESERVED_TEMPLATE_KWARGS: [&str; 19] = [
+    "messages", "tools", "documents", "add_generation_prompt", "namespace", "range", "dict", "debug", "cycler",
+    "joiner", "lipsum", "raise_exception", "strftime_now", "loop", "self", "true", "false", "none", "super",
+];
 
 /// Typed access to a JSON object, with errors that name the field.
 struct Fields<'a>(&'a Map<String, Value>);
@@ -175,7 +185,7 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
     if let Some(p) = f.ranged("frequency_penalty", -2.0, 2.0, false)? {
         s.frequency_penalty = p;
     }
-    if let Some(p) = f.ranged("repetition_penalty", 0.0, 10.0, true)? {
+    if let Some(p) = f.ranged("repetition_penalty", MIN_REPETITION_PENALTY, 10.0, false)? {
         s.repetition_penalty = p;
     }
     s.seed = match f.get("seed") {
@@ -191,7 +201,7 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
     .or(default_max_tokens);
     let stop = match f.get("stop") {
         None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::String(s)) => vec![stop_string("stop", s)?],
         Some(Value::Array(items)) => {
             if items.len() > MAX_STOP {
                 return Err(ApiError::invalid(
@@ -203,7 +213,7 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
                 .iter()
                 .enumerate()
                 .map(|(i, v)| match v {
-                    Value::String(s) => Ok(s.clone()),
+                    Value::String(s) => stop_string(&format!("stop[{i}]"), s),
                     v => Err(ApiError::invalid(
                         format!("stop[{i}]"),
                         format!("`stop[{i}]` must be a string, got {}", kind(v)),
@@ -264,6 +274,22 @@ fn max_tokens_field(f: &Fields, k: &str) -> Result<Option<usize>> {
     }
 }
 
+fn stop_string(param: &str, s: &str) -> Result<String> {
+    if s.len() > MAX_STOP_BYTES {
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` is {} bytes long; a stop string may have at most {MAX_STOP_BYTES} bytes", s.len()),
+        ));
+    }
+    Ok(s.to_string())
+}
+
+/// A function name as OpenAI allows it: 1 to 64 of `a-z A-Z 0-9 _ - .` (no spaces, no markup,
+/// so it cannot break out of the template's tool-call syntax).
+pub fn valid_function_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
 fn rename(mut e: ApiError, param: &str) -> ApiError {
     e.param = Some(param.to_string());
     e
@@ -306,7 +332,15 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
     }
     match f.get("chat_template_kwargs") {
         None => {}
-        Some(Value::Object(kw)) => template_kwargs.extend(kw.iter().map(|(k, v)| (k.clone(), v.clone()))),
+        Some(Value::Object(kw)) => {
+            if let Some(k) = kw.keys().find(|k| RESERVED_TEMPLATE_KWARGS.contains(&k.as_str())) {
+                return Err(ApiError::invalid(
+                    format!("chat_template_kwargs.{k}"),
+                    format!("`chat_template_kwargs.{k}` is reserved (set by the server or built into the template language)"),
+                ));
+            }
+            template_kwargs.extend(kw.iter().map(|(k, v)| (k.clone(), v.clone())))
+        }
         Some(v) => {
             return Err(ApiError::invalid(
                 "chat_template_kwargs",
@@ -464,11 +498,11 @@ fn tool_call(i: usize, j: usize, c: &Value) -> Result<Value> {
         .get("function")
         .and_then(Value::as_object)
         .ok_or_else(|| ApiError::invalid(format!("{param}.function"), format!("`{param}.function` must be an object")))?;
-    let name = func.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
+    let name = func.get("name").and_then(Value::as_str).filter(|n| valid_function_name(n));
     let Some(name) = name else {
         return Err(ApiError::invalid(
             format!("{param}.function.name"),
-            format!("`{param}.function.name` must be a non-empty string"),
+            format!("`{param}.function.name` must be a function name: 1 to 64 letters, digits, `_`, `-` or `.`"),
         ));
     };
     let args = match func.get("arguments") {

@@ -85,6 +85,13 @@ fn invalid_values_name_the_field() {
     assert_eq!(param_of(with("n", json!(17))), "n");
     assert_eq!(param_of(with("stop", json!([1]))), "stop[0]");
     assert_eq!(param_of(with("stop", json!(5))), "stop");
+    assert_eq!(param_of(with("stop", json!(["a", "x".repeat(2000)]))), "stop[1]");
+    assert_eq!(param_of(with("stop", json!("x".repeat(2000)))), "stop");
+    assert_eq!(param_of(with("repetition_penalty", json!(1e-46))), "repetition_penalty");
+    assert_eq!(param_of(with("chat_template_kwargs", json!({"namespace": null}))), "chat_template_kwargs.namespace");
+    assert_eq!(param_of(with("chat_template_kwargs", json!({"messages": []}))), "chat_template_kwargs.messages");
+    let call = json!([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "a<b>", "arguments": "{}"}}]}]);
+    assert_eq!(param_of(with("messages", call)), "messages[0].tool_calls[0].function.name");
     assert_eq!(param_of(with("stream", json!("yes"))), "stream");
     assert_eq!(param_of(with("stream_options", json!({"include_usage": true}))), "stream_options");
     assert_eq!(param_of(with("logprobs", json!(1))), "logprobs");

@@ -17,8 +17,8 @@ pub struct ChatArgs {
 
 pub fn run(a: ChatArgs) -> Result<()> {
     let (dir, loaded) = a.conv.start()?;
-    let template = ChatTemplate::from_dir(&dir)?;
-    loaded.engine.wait_ready().map_err(anyhow::Error::msg)?;
+    let template = ChatTemplate::from_dir(&dir).map_err(super::common::bad_model)?;
+    loaded.engine.wait_ready().map_err(|f| f.into_anyhow())?;
     let kwargs = a.conv.template_kwargs();
     let mut history: Vec<Value> = a.conv.system_messages();
     let stdin = std::io::stdin();

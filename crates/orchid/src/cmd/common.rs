@@ -54,6 +54,11 @@ fn find_in_repository(rel: &str, file: &str) -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.join(file).is_file())
 }
 
+/// Marks an error about the model folder (tokenizer, chat template) as such: exit code 3.
+pub fn bad_model(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::Error::new(orchid_model::LoadError(format!("{e:#}")))
+}
+
 /// Loads `dir` onto `backend`, logging what was loaded and how long it took.
 fn load_on<B: orchid_model::Backend>(dir: &Path, backend: B) -> Result<Model<B>> {
     let t = std::time::Instant::now();
@@ -101,7 +106,7 @@ pub struct Loaded {
 
 pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::EngineOptions) -> Result<Loaded> {
     let opts = orchid_engine::engine::EngineOptions { fast_decode: opts.fast_decode && super::env_options::decode_graph(), ..opts };
-    let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir)?);
+    let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir).map_err(bad_model)?);
     let dir2 = dir.to_path_buf();
     let engine = match resolve_device(device)? {
         Device::Cpu | Device::Auto => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cpu(&dir2)),
@@ -368,6 +373,9 @@ pub fn stream_to(
     }
     if display.show_reasoning && !r.reasoning.is_empty() && !r.reasoning.ends_with('\n') {
         eprintln!();
+    }
+    if let Some(why) = loaded.engine.failure() {
+        bail!("generation failed: {why}");
     }
     r.first_token_secs = first.unwrap_or(0.0);
     r.secs = t0.elapsed().as_secs_f64();

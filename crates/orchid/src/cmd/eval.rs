@@ -117,7 +117,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         (Some(p), _) => read_tokens(p)?,
         (None, Some(p)) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            let tok = orchid_engine::tokenizer::Tokenizer::from_dir(&dir)?;
+            let tok = orchid_engine::tokenizer::Tokenizer::from_dir(&dir).map_err(super::common::bad_model)?;
             tok.encode(&text, false)?
         }
         (None, None) => bail!("give --text FILE or --tokens FILE"),

@@ -25,9 +25,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     } else {
         let mut messages = a.conv.system_messages();
         messages.push(json!({"role": "user", "content": a.prompt}));
-        ChatTemplate::from_dir(&dir)?.render(&messages, None, true, &a.conv.template_kwargs())?
+        ChatTemplate::from_dir(&dir).map_err(super::common::bad_model)?.render(&messages, None, true, &a.conv.template_kwargs())?
     };
-    let info = loaded.engine.wait_ready().map_err(anyhow::Error::msg)?;
+    let info = loaded.engine.wait_ready().map_err(|f| f.into_anyhow())?;
     let req = a.conv.sampling.request(&dir, loaded.tokenizer.encode(&text, false)?, &loaded.tokenizer);
     let prompt_len = req.prompt.len();
     let display = a.conv.display(&text, a.raw);

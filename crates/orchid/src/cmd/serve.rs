@@ -34,7 +34,8 @@ pub struct ServeArgs {
     /// Sequences generated concurrently.
     #[arg(long, visible_alias = "max-num-seqs", env = "ORCHID_MAX_SEQS", default_value_t = 16)]
     max_seqs: usize,
-    /// Requests that may wait for a free sequence; beyond that, 503 with Retry-After.
+    /// Requests that may wait for a free sequence beyond the --max-seqs running ones (0: none
+    /// wait); beyond that, 503 with Retry-After.
     #[arg(long, env = "ORCHID_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
     /// Prompt tokens run per forward call for one sequence.
@@ -45,9 +46,29 @@ pub struct ServeArgs {
     /// Largest request body, in bytes (413 above).
     #[arg(long, env = "ORCHID_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     max_body_bytes: usize,
-    /// After SIGINT/SIGTERM, seconds running requests may take to finish before they are cancelled.
+    /// After SIGINT/SIGTERM, seconds running requests may take to finish before they are
+    /// cancelled; the server exits at most one second later, whatever clients do.
     #[arg(long, env = "ORCHID_SHUTDOWN_TIMEOUT", default_value_t = 10.0)]
     shutdown_timeout: f64,
+    /// Seconds a client has to send a request's head (also how long an idle keep-alive
+    /// connection stays open).
+    #[arg(long, env = "ORCHID_HEADER_TIMEOUT", default_value_t = 30.0)]
+    header_timeout: f64,
+    /// Seconds a client has to send a request's body once the head has arrived (408 after).
+    #[arg(long, env = "ORCHID_BODY_TIMEOUT", default_value_t = 60.0)]
+    body_timeout: f64,
+    /// Connections open at once; more clients wait until one closes (keep it below the
+    /// process's file descriptor limit).
+    #[arg(long, env = "ORCHID_MAX_CONNECTIONS", default_value_t = 512)]
+    max_connections: usize,
+    /// Require this key on /v1/* (`Authorization: Bearer KEY`); /health and /metrics stay open.
+    /// Default: none.
+    #[arg(long, env = "ORCHID_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Origins browsers may call the API from (CORS), comma-separated or repeated; `*` allows
+    /// any. Default: none.
+    #[arg(long, env = "ORCHID_ALLOWED_ORIGINS", value_delimiter = ',')]
+    allowed_origins: Vec<String>,
     #[command(flatten)]
     cache: PrefixCacheArgs,
 }
@@ -64,6 +85,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let template = match ChatTemplate::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),
+        // A template that is there but does not parse is a broken model folder.
+        Err(e @ orchid_engine::ChatTemplateError::Syntax(_)) => return Err(super::common::bad_model(e)),
         Err(e) => {
             tracing::warn!("no usable chat template ({e}); /v1/chat/completions will refuse requests");
             None
@@ -83,17 +106,25 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.max_body_bytes = a.max_body_bytes;
     cfg.shutdown_grace = Duration::from_secs_f64(a.shutdown_timeout.max(0.0));
     cfg.sampling_defaults = orchid_engine::defaults::sampling_defaults(&dir);
+    cfg.header_timeout = Duration::from_secs_f64(a.header_timeout.max(0.001));
+    cfg.body_timeout = Duration::from_secs_f64(a.body_timeout.max(0.001));
+    cfg.max_connections = a.max_connections.max(1);
+    cfg.api_key = a.api_key.clone().filter(|k| !k.is_empty());
+    cfg.allowed_origins = a.allowed_origins.iter().map(|o| o.trim().to_string()).filter(|o| !o.is_empty()).collect();
     let st = AppState::new(loaded.engine, loaded.tokenizer, template, cfg);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("orchid-http")
         .build()?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         orchid_server::serve(listener, st).await
-    })
+    });
+    // Connections still open and preparation threads still running do not hold the exit.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    result
 }
