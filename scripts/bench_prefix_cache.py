@@ -8,8 +8,9 @@ Starts the server twice on MODEL (--prefix-cache on, then off), sends token-id p
                 with a 100-token message appended (the second request is the one timed)
   shared        16 requests sharing a PREFIX-token prefix, each with its own 200-token suffix, one
                 after the other: request 1 vs requests 2-16
-  session       a 20-turn chat session: turn k's prompt is turn k-1's prompt + a 200-token answer
-                + a 300-token user message; the sum of the 20 prefill times
+  session       a 20-turn chat session: turn k's prompt is turn k-1's prompt + the 200-token answer
+                the server generated for it + a 300-token user message; the sum of the 20 prefill
+                times (each timed as a one-token request before the answer is generated)
 
 Prints one JSON object (per mode: the timings; and the ratios the cache gives).
 
@@ -73,12 +74,14 @@ def scenarios(base, args, rng):
     res["shared"] = {"times_s": times, "cached": cached, "first_s": times[0], "rest_max_s": max(times[1:]), "rest_mean_s": round(sum(times[1:]) / 15, 4)}
     prompt, total, per, cached = toks(300), 0.0, [], []
     for k in range(20):
-        if k:
-            prompt = prompt + toks(200) + toks(300)
         t, c = first_token(base, prompt)
         total += t
         per.append(round(t, 4))
         cached.append(c)
+        # The answer the server gives (200 tokens, greedy), then the next user message.
+        _, out = post(base + "/v1/completions", {"prompt": prompt, "max_tokens": 200, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True})
+        prompt = prompt + out["choices"][0]["token_ids"] + toks(300)
     res["session"] = {"total_prefill_s": round(total, 4), "per_turn_s": per, "cached": cached, "last_prompt": len(prompt)}
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         res["metrics"] = [line for line in r.read().decode().splitlines() if line.startswith("orchid_prefix_cache")]

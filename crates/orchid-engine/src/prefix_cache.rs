@@ -27,6 +27,8 @@ pub const BLOCK: usize = 64;
 
 /// Besides prompt ends and shared-prefix ends, a long prompt is snapshotted every this many tokens.
 pub const INTERVAL: usize = 4096;
+/// See [`save_points`].
+pub const SHORT_TAIL: usize = 1024;
 
 /// At most this many remembered block keys (the set is cleared when it grows past it).
 const MAX_SEEN: usize = 1 << 20;
@@ -155,12 +157,18 @@ impl<P: StatePool> PrefixCache<P> {
 /// shared part, every [`INTERVAL`] tokens, and the last block boundary of the prompt. A point
 /// never leaves exactly one prompt token after it (that token would run through the one-token
 /// path, which rounds differently from a longer span), so the split changes nothing.
+///
+/// The last block boundary is skipped when a restored prompt has at most [`SHORT_TAIL`] tokens
+/// left: the next turn of a conversation then restores from the snapshot its generation leaves,
+/// and this turn's first token comes after one forward pass instead of two.
 pub fn save_points(len: usize, restored: usize, seen: usize) -> Vec<usize> {
     let ok = |p: usize| p > restored && p.is_multiple_of(BLOCK) && (p == len || p + 2 <= len);
     let last = |p: usize| if p + 1 == len { p.saturating_sub(BLOCK) } else { p };
     let mut pts: Vec<usize> = (1..).map(|k| k * INTERVAL).take_while(|&p| p <= len).collect();
     pts.push(last((seen * BLOCK).min(len / BLOCK * BLOCK)));
-    pts.push(last(len / BLOCK * BLOCK));
+    if restored == 0 || len - restored > SHORT_TAIL {
+        pts.push(last(len / BLOCK * BLOCK));
+    }
     pts.retain(|&p| ok(p));
     pts.sort_unstable();
     pts.dedup();
@@ -190,7 +198,8 @@ mod tests {
         assert_eq!(save_points(200, 0, 0), vec![192]);
         assert_eq!(save_points(193, 0, 0), vec![128]);
         assert_eq!(save_points(192, 0, 1), vec![64, 192]);
-        assert_eq!(save_points(192, 128, 1), vec![192]);
+        assert_eq!(save_points(192, 128, 1), Vec::<usize>::new());
+        assert_eq!(save_points(2000, 128, 1), vec![1984]);
         assert_eq!(save_points(10, 0, 0), Vec::<usize>::new());
         assert_eq!(max_restore(130), 128);
         assert_eq!(max_restore(129), 64);

@@ -221,6 +221,9 @@ pub(crate) async fn start_chat(st: &AppState, req: ChatRequest, arrived: Instant
     st.check_model(req.common.model.as_deref())?;
     let info = st.ready()?;
     check_extra_ids(&req.common.extras, info.vocab_size)?;
+    if req.common.extras.return_token_ids {
+        return Err(ApiError::invalid("return_token_ids", "`return_token_ids` is supported on /v1/completions without streaming only"));
+    }
     let template = st
         .template
         .clone()

@@ -51,6 +51,9 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
         return Err(ApiError::context_length("prompt", ids.len(), info.max_context));
     }
     check_extra_ids(&req.common.extras, info.vocab_size)?;
+    if req.common.extras.return_token_ids && req.common.stream {
+        return Err(ApiError::invalid("return_token_ids", "`return_token_ids` is supported without streaming only"));
+    }
     let room = info.max_context - ids.len();
     let c = &req.common;
     let g = generate_request(c, ids, c.max_tokens.unwrap_or(16).min(room), st.tokenizer.eos_token_ids().to_vec(), req.logprobs);
@@ -182,12 +185,13 @@ impl CompletionStream {
     /// This choice's entry of `choices`.
     async fn collect(mut self) -> Result<Value, ApiError> {
         let mut text = std::mem::take(&mut self.echo);
-        let mut lps = Vec::new();
+        let (mut lps, mut ids) = (Vec::new(), Vec::new());
         loop {
             match self.run.next().await {
-                Some(Event::Token { text: t, logprob, .. }) => {
+                Some(Event::Token { id, text: t, logprob }) => {
                     text.push_str(&t);
                     lps.extend(logprob);
+                    ids.push(id);
                 }
                 Some(Event::Finished { reason, text: t, usage, stop_reason }) => {
                     text.push_str(&t);
@@ -195,10 +199,14 @@ impl CompletionStream {
                     lock(&self.totals).add(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, 0);
                     self.pending_logprobs = lps;
                     let lp = self.logprobs_value();
-                    return Ok(json!({
+                    let mut choice = json!({
                         "index": self.index, "text": text, "logprobs": lp, "finish_reason": reason.as_str(),
                         "stop_reason": stop_reason_value(&stop_reason, &self.common),
-                    }));
+                    });
+                    if self.common.extras.return_token_ids {
+                        choice["token_ids"] = json!(ids);
+                    }
+                    return Ok(choice);
                 }
                 Some(Event::Error(m)) => return Err(self.st.engine_error(&m)),
                 None => return Err(ApiError::internal("the generation ended without a result")),

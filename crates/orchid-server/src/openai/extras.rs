@@ -32,6 +32,8 @@ pub struct Extras {
     pub logit_bias: HashMap<u32, f32>,
     /// Reasoning tokens allowed before `</think>` is forced (chat only).
     pub thinking_token_budget: Option<usize>,
+    /// Return the generated token ids with each choice (`token_ids`, completions only).
+    pub return_token_ids: bool,
 }
 
 impl Default for Extras {
@@ -45,6 +47,7 @@ impl Default for Extras {
             stop_token_ids: Vec::new(),
             logit_bias: HashMap::new(),
             thinking_token_budget: None,
+            return_token_ids: false,
         }
     }
 }
@@ -69,6 +72,7 @@ pub(super) fn extras(f: &Fields, max_tokens: Option<usize>) -> Result<Extras> {
     x.ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     x.include_stop_str = f.bool("include_stop_str_in_output")?.unwrap_or(false);
     x.skip_special_tokens = f.bool("skip_special_tokens")?.unwrap_or(true);
+    x.return_token_ids = f.bool("return_token_ids")?.unwrap_or(false);
     x.thinking_token_budget = non_negative(f, "thinking_token_budget")?;
     x.stop_token_ids = match f.get("stop_token_ids") {
         None => Vec::new(),
@@ -183,7 +187,7 @@ const KNOWN: &[&str] = &[
     "logit_bias", "thinking_token_budget", "add_generation_prompt", "continue_final_message", "metadata",
     "store", "service_tier", "modalities", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "chat_template",
-    "add_special_tokens", "request_id", "return_tokens_as_token_ids", "cache_salt",
+    "add_special_tokens", "request_id", "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
 ];
 
 pub(super) fn refuse_unimplemented(f: &Fields) -> Result<()> {
