@@ -21,6 +21,14 @@
 //! reproducible but draws from its own generator, keyed by (seed, token index), not from the
 //! host sampler's stream, so a seeded sampled request gives different (equally distributed)
 //! text with the fast path on and off.
+//!
+//! Constrained decoding. A request with a [`Constraint`](crate::constraint::Constraint) (a
+//! grammar) never takes the fast path: its mask is applied to the host logits before the
+//! host sampler runs. The masks for a step are computed on a second thread while the model
+//! runs that step's forward call (each constrained sequence's matcher already knows the token
+//! it is about to be fed), so on a GPU the mask costs no step time; constrained and free
+//! sequences share the batch. (The fast decoder would need a mask buffer its sampler reads,
+//! uploaded each step; see docs/server.md.)
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -31,6 +39,7 @@ use std::thread::JoinHandle;
 use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode, LogitRows, Model, SeqSpan, StateOptions, StatePool};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
+use crate::constraint::Constraint;
 use crate::detokenize::Detokenizer;
 use crate::request::{Event, FinishReason, GenerateRequest, SubmitError, Usage};
 use crate::sampling::{Rng, Sampler, SamplingParams, logprobs};
@@ -267,6 +276,8 @@ struct Seq {
     fast_ok: bool,
     /// Seed of the device sampler (the request's, else a random one).
     device_seed: u64,
+    /// The grammar the output follows, if any.
+    constraint: Option<Constraint>,
 }
 
 impl Seq {
@@ -354,8 +365,9 @@ impl<B: Backend> Engine<B> {
             };
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             self.stats.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
-            let req = *req;
-            let fast_ok = device_sampling_ok(&req);
+            let mut req = *req;
+            let constraint = req.constraint.take();
+            let fast_ok = device_sampling_ok(&req) && constraint.is_none();
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
                 slot,
@@ -369,6 +381,7 @@ impl<B: Backend> Engine<B> {
                 tx,
                 fast_ok,
                 device_seed,
+                constraint,
             });
         }
     }
@@ -409,10 +422,14 @@ impl<B: Backend> Engine<B> {
             }
         }
         let batch = BatchLayout { spans };
-        let logits = self
-            .model
-            .forward(&ids, &batch, &mut self.state, LogitRows::LastOfEachSpan)
-            .and_then(|l| self.model.backend.to_host(&l));
+        // The grammar masks for this step are computed while the model runs.
+        let (model, state, running) = (&self.model, &mut self.state, &mut self.running);
+        let (logits, masks) = std::thread::scope(|sc| {
+            let masks = sc.spawn(|| prepare_masks(running));
+            let logits = model.forward(&ids, &batch, state, LogitRows::LastOfEachSpan).and_then(|l| model.backend.to_host(&l));
+            (logits, masks.join())
+        });
+        let masks = masks.unwrap_or_else(|_| vec![(usize::MAX, "computing the grammar mask panicked".to_string())]);
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -437,7 +454,22 @@ impl<B: Backend> Engine<B> {
                 }
             }
             let l = &logits[row * v..(row + 1) * v];
-            let tok = s.sampler.sample(l, valid);
+            let tok = match &mut s.constraint {
+                Some(c) if c.active() => {
+                    let mut masked = l[..valid].to_vec();
+                    let failed = masks.iter().find(|(j, _)| *j == i || *j == usize::MAX).map(|(_, e)| e.clone());
+                    match failed.map_or_else(|| c.apply(&mut masked), Err) {
+                        Ok(()) => s.sampler.sample(&masked, valid),
+                        Err(e) => {
+                            let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
+                            done.push(i);
+                            continue;
+                        }
+                    }
+                }
+                _ => s.sampler.sample(l, valid),
+            };
+            // Log-probabilities are those of the model, before any grammar mask.
             let lp = s.req.logprobs.map(|n| logprobs(l, valid, tok, n));
             if !emit(s, tok, lp, self.max_context) {
                 done.push(i);
@@ -522,6 +554,20 @@ pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
         && (p.is_greedy() || (p.temperature.is_finite() && p.top_p.is_finite() && p.min_p.is_finite()))
 }
 
+/// Computes the next-token grammar masks of the running sequences that will sample this step
+/// (run on a helper thread during the forward call); returns the failures by sequence index.
+fn prepare_masks(running: &mut [Seq]) -> Vec<(usize, String)> {
+    let mut failed = Vec::new();
+    for (i, s) in running.iter_mut().enumerate() {
+        if let Some(c) = &mut s.constraint
+            && let Err(e) = c.prepare()
+        {
+            failed.push((i, e));
+        }
+    }
+    failed
+}
+
 /// Records a sampled token and streams it; false when the sequence is finished (or its
 /// client is gone).
 fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_context: usize) -> bool {
@@ -532,7 +578,15 @@ fn emit(s: &mut Seq, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_co
         let _ = s.tx.send(Event::Finished { reason, text, usage });
         false
     };
-    if s.req.stop_token_ids.contains(&tok) {
+    let grammar_end = match s.constraint.as_mut().map(|c| c.observe(tok)) {
+        None | Some(Ok(false)) => false,
+        Some(Ok(true)) => true,
+        Some(Err(e)) => {
+            let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
+            return false;
+        }
+    };
+    if grammar_end || s.req.stop_token_ids.contains(&tok) {
         // The end-of-turn token is not text; release what was held back.
         if s.tx.send(Event::Token { id: tok, text: String::new(), logprob: lp }).is_err() {
             return false;

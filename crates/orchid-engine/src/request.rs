@@ -1,5 +1,6 @@
 //! What a client asks the engine for, and what it gets back.
 
+use crate::constraint::Constraint;
 use crate::sampling::{SamplingParams, TokenLogprob};
 
 /// One generation request, already tokenized.
@@ -17,6 +18,8 @@ pub struct GenerateRequest {
     pub logprobs: Option<usize>,
     /// Leave special tokens (e.g. `<think>`) out of the text.
     pub skip_special_tokens: bool,
+    /// A grammar the output must follow (structured output, forced tool calls).
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateRequest {
@@ -29,6 +32,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             logprobs: None,
             skip_special_tokens: false,
+            constraint: None,
         }
     }
 }

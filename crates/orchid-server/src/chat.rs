@@ -4,18 +4,24 @@
 //! `tool_choice` is `none`), tokenized, and generated until an end-of-turn token. The output
 //! goes through [`ChatOutput`] (reasoning, then tool calls) in both modes.
 //!
-//! `tool_choice` steering (prompt-level, no constrained decoding):
+//! `tool_choice`:
 //! - `auto`: tools in the prompt, calls parsed.
 //! - `none`: tools left out of the prompt, nothing parsed.
-//! - `required`: thinking is turned off for the turn and the assistant turn is started with
-//!   `<tool_call>\n<function=`, so the model must name a function.
-//! - a named function: as `required`, with `<tool_call>\n<function=NAME>\n` written for it.
+//! - `required`: thinking is turned off for the turn and the output is constrained to one or
+//!   more well-formed calls of the request's tools (one with `parallel_tool_calls: false`),
+//!   each parameter value following its schema (see [`crate::structured::tool_call_grammar`]).
+//! - a named function: as `required`, with that function only, called once.
+//!
+//! `response_format` / `structured_outputs` / `guided_*` constrain the answer to a grammar;
+//! when the prompt opens `<think>`, the reasoning is free and the constraint starts after
+//! `</think>`.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use orchid_engine::constraint::{Constraint, GrammarSpec};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
 use orchid_engine::sampling::TokenLogprob;
 use orchid_engine::{ChatTemplate, Tokenizer};
@@ -30,6 +36,7 @@ use crate::openai::validate::{self, ChatRequest, ToolChoice};
 use crate::reasoning_parser::ReasoningParser;
 use crate::sse::sse_response;
 use crate::state::AppState;
+use crate::structured::tool_call_grammar;
 use crate::tool_schema::ToolSchemas;
 
 /// A rendered, tokenized chat request.
@@ -39,16 +46,20 @@ struct Plan {
     reasoning: Option<bool>,
     /// Tool schemas and the forced prompt suffix, when calls are parsed.
     tools: Option<(ToolSchemas, String)>,
+    /// The grammar the output follows (forced tool calls or structured output).
+    constraint: Option<Constraint>,
 }
 
-fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<Plan, ApiError> {
+fn plan(st: &AppState, template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<Plan, ApiError> {
     let mut kwargs = req.template_kwargs.clone();
-    let forced = match &req.tool_choice {
-        ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
-        ToolChoice::Function(name) => Some(format!("<tool_call>\n<function={name}>\n")),
-        ToolChoice::None | ToolChoice::Auto => None,
+    // A forced call is started in the prompt (which steers the model), the grammar finishes it.
+    let prefix = match &req.tool_choice {
+        ToolChoice::Required => "<tool_call>\n<function=".to_string(),
+        ToolChoice::Function(name) => format!("<tool_call>\n<function={name}>\n"),
+        ToolChoice::None | ToolChoice::Auto => String::new(),
     };
-    if forced.is_some() {
+    let forced = !prefix.is_empty();
+    if forced {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
     let tools = if req.tool_choice == ToolChoice::None {
@@ -57,19 +68,33 @@ fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest) -> Result<P
         req.tools.as_deref()
     };
     let mut text = template.render(&req.messages, tools, true, &kwargs)?;
-    let reasoning = if forced.is_some() {
+    text.push_str(&prefix);
+    let reasoning = if forced {
         None
     } else {
         Some(prompt_opens_reasoning(&text))
     };
-    if let Some(f) = &forced {
-        text.push_str(f);
-    }
     let prompt = tok
         .encode(&text, false)
         .map_err(|e| ApiError::internal(format!("tokenizing the prompt failed: {e:#}")))?;
-    let tools = tools.map(|t| (ToolSchemas::from_tools(t), forced.unwrap_or_default()));
-    Ok(Plan { prompt, reasoning, tools })
+    let constraint = match (&req.tool_choice, &req.structured, tools) {
+        (ToolChoice::Required | ToolChoice::Function(_), _, Some(t)) => {
+            let only = match &req.tool_choice {
+                ToolChoice::Function(name) => Some(name.as_str()),
+                _ => None,
+            };
+            let parallel = req.parallel_tool_calls && only.is_none();
+            let grammar = tool_call_grammar(t, only, parallel, &prefix);
+            Some(st.compile_grammar("tools", &GrammarSpec::Lark(grammar))?)
+        }
+        (_, Some(s), _) => {
+            let after = if reasoning == Some(true) { tok.markers().think_end } else { None };
+            Some(st.compile_grammar(&s.field, &s.spec)?.starting_after(after))
+        }
+        _ => None,
+    };
+    let tools = tools.map(|t| (ToolSchemas::from_tools(t), prefix));
+    Ok(Plan { prompt, reasoning, tools, constraint })
 }
 
 /// The end-of-turn ids: the checkpoint's eos ids plus `<|im_end|>`.
@@ -91,7 +116,8 @@ pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBo
         .clone()
         .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
     let tok = st.tokenizer.clone();
-    let (plan, req) = AppState::blocking(move || plan(&template, &tok, &req).map(|p| (p, req))).await?;
+    let st2 = st.clone();
+    let (plan, req) = AppState::blocking(move || plan(&st2, &template, &tok, &req).map(|p| (p, req))).await?;
     if plan.prompt.len() >= info.max_context {
         return Err(ApiError::context_length("messages", plan.prompt.len(), info.max_context));
     }
@@ -106,6 +132,7 @@ pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBo
             stop_token_ids: chat_stop_ids(&st.tokenizer),
             logprobs: req.logprobs,
             skip_special_tokens: true,
+            constraint: plan.constraint,
         },
         arrived,
     )?;

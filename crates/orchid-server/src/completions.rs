@@ -1,5 +1,6 @@
 //! `POST /v1/completions`: a raw prompt (text or token ids), continued until an eos token,
-//! a stop string or `max_tokens` (default 16, as OpenAI). No template, no parsing.
+//! a stop string or `max_tokens` (default 16, as OpenAI). No template, no parsing; an output
+//! constraint (`response_format`, `structured_outputs`, `guided_*`) applies from the start.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -25,16 +26,20 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
     let info = st.ready()?;
     let tok = st.tokenizer.clone();
     let prompt = req.prompt.clone();
-    let (ids, prompt_text) = AppState::blocking(move || match prompt {
-        Prompt::Text(t) => {
-            let ids = tok
-                .encode(&t, true)
-                .map_err(|e| ApiError::internal(format!("tokenizing the prompt failed: {e:#}")))?;
-            Ok((ids, t))
-        }
-        Prompt::Tokens(ids) => {
-            let text = tok.decode(&ids, false);
-            Ok((ids, text))
+    let (st2, structured) = (st.clone(), req.structured.clone());
+    let (ids, prompt_text, constraint) = AppState::blocking(move || {
+        let constraint = structured.map(|s| st2.compile_grammar(&s.field, &s.spec)).transpose()?;
+        match prompt {
+            Prompt::Text(t) => {
+                let ids = tok
+                    .encode(&t, true)
+                    .map_err(|e| ApiError::internal(format!("tokenizing the prompt failed: {e:#}")))?;
+                Ok((ids, t, constraint))
+            }
+            Prompt::Tokens(ids) => {
+                let text = tok.decode(&ids, false);
+                Ok((ids, text, constraint))
+            }
         }
     })
     .await?;
@@ -58,6 +63,7 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
             stop_token_ids: st.tokenizer.eos_token_ids().to_vec(),
             logprobs: req.logprobs,
             skip_special_tokens: true,
+            constraint,
         },
         arrived,
     )?;

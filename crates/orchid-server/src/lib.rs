@@ -6,6 +6,8 @@
 //! - [`openai`]: request validation and the response objects.
 //! - [`reasoning_parser`], [`tool_parser`], [`tool_schema`], [`chat_output`]: turning the
 //!   model's text into `reasoning_content`, `content` and `tool_calls`, incrementally.
+//! - [`structured`]: `response_format` / `structured_outputs` / `guided_*` and the forced
+//!   tool-call grammar (constrained decoding with llguidance).
 //! - [`sse`], [`metrics`], [`errors`] (the one place errors become responses), [`server`]
 //!   (listening and clean shutdown).
 //!
@@ -33,6 +35,7 @@ pub mod routes;
 pub mod server;
 pub mod sse;
 pub mod state;
+pub mod structured;
 pub mod tool_parser;
 pub mod tool_schema;
 

@@ -1,11 +1,13 @@
 //! Request bodies -> validated requests. Every invalid value is a 400 naming the field in
 //! `param`; unknown fields are ignored; features this server does not have (n > 1, image
-//! parts, logit_bias, JSON response formats) are rejected rather than silently ignored.
+//! parts, logit_bias) are rejected rather than silently ignored. Output constraints
+//! (`response_format`, `structured_outputs`, `guided_*`) are read by [`crate::structured`].
 
 use orchid_engine::sampling::SamplingParams;
 use serde_json::{Map, Value};
 
 use crate::errors::ApiError;
+use crate::structured::{self, Structured};
 
 type Result<T> = std::result::Result<T, ApiError>;
 
@@ -43,6 +45,10 @@ pub struct ChatRequest {
     pub template_kwargs: Map<String, Value>,
     /// `Some(top_n)` when `logprobs` is true.
     pub logprobs: Option<usize>,
+    /// The grammar the answer must follow (`response_format`, `structured_outputs`, `guided_*`).
+    pub structured: Option<Structured>,
+    /// `parallel_tool_calls` (default true): false allows at most one call.
+    pub parallel_tool_calls: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -57,6 +63,7 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     pub echo: bool,
     pub logprobs: Option<usize>,
+    pub structured: Option<Structured>,
 }
 
 /// Most alternatives a response may list per token.
@@ -313,21 +320,15 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
             ));
         }
     }
-    match f.get("response_format").map(|r| r.get("type").and_then(Value::as_str)) {
-        None | Some(Some("text")) => {}
-        Some(Some(t)) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!("`response_format` type `{t}` is not supported (only `text`)"),
-            ));
-        }
-        Some(None) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "`response_format` must be an object with a `type`",
-            ));
-        }
+    let structured = structured::request_constraint(body)?;
+    if structured.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        let field = structured.as_ref().map_or("", |s| s.field.as_str()).to_string();
+        return Err(ApiError::invalid(
+            field.clone(),
+            format!("`{field}` cannot be combined with a `tool_choice` that forces a tool call"),
+        ));
     }
+    let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let logprobs = match (f.bool("logprobs")?.unwrap_or(false), f.int("top_logprobs")?) {
         (_, Some(n)) if n < 0 || n as usize > MAX_TOP_LOGPROBS => {
             return Err(ApiError::invalid(
@@ -346,6 +347,8 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
         tool_choice,
         template_kwargs,
         logprobs,
+        structured,
+        parallel_tool_calls,
     })
 }
 
@@ -626,11 +629,13 @@ pub fn completion_request(body: &Map<String, Value>, defaults: &SamplingParams) 
     if f.int("best_of")?.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid("best_of", "`best_of` other than 1 is not supported"));
     }
+    let structured = structured::request_constraint(body)?;
     Ok(CompletionRequest {
         common,
         prompt,
         echo,
         logprobs,
+        structured,
     })
 }
 
