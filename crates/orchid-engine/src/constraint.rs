@@ -11,6 +11,18 @@
 //! A constraint may wait for a token before it starts (`</think>` for a reasoning model: the
 //! reasoning is free, the answer follows the grammar).
 //!
+//! Finishing within the budget. A grammar only says what may come next, not when to stop: a
+//! model that never writes the closing quote of a JSON string would run into `max_tokens`
+//! with half a JSON value. So in the last [`CLOSING_RESERVE`] tokens of a request's budget the
+//! constraint steers towards the end: when the grammar allows ending, only the end tokens are
+//! allowed; otherwise, when it allows a token made only of closing characters (`"`, `}`, `]`,
+//! `)`), only those are; otherwise tokens of closing characters and commas. In JSON this ends
+//! numbers, closes open strings, arrays and objects within a few tokens (required keys still
+//! to come are forced by the grammar); other grammars are unaffected unless they allow such
+//! tokens. A grammar of XML-like tags around raw text ([`Constraint::closing_tags_first`],
+//! the forced tool calls) tries tokens starting with `<` (a closing tag: the raw text cannot
+//! hold `<`) before the closing characters, which raw text would take forever.
+//!
 //! JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: one space after `:` and `,`, no other
 //! whitespace), so a model cannot wander off into endless whitespace inside an object.
 
@@ -22,6 +34,11 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value, json};
 
 use crate::tokenizer::Tokenizer;
+
+/// The last tokens of a request's budget in which the constraint steers towards the end.
+pub const CLOSING_RESERVE: usize = 32;
+/// The same for tag grammars (a closing tag is several tokens, and the tags after it are forced).
+pub const CLOSING_RESERVE_TAGS: usize = 64;
 
 /// What a request's output must follow.
 #[derive(Clone, Debug, PartialEq)]
@@ -105,6 +122,9 @@ impl TokenizerEnv for TokenizerBytes {
 pub struct Grammars {
     factory: Arc<ParserFactory>,
     eos: Vec<u32>,
+    /// The end tokens, the tokens made only of closing characters, those with commas too, and
+    /// the tokens starting with `<` (see the module docs).
+    closers: Arc<[SimpleVob; 4]>,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -136,10 +156,24 @@ impl Grammars {
             .collect();
         let info = TokRxInfo::new(n as u32, eos[0]);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
+        let (mut closers, mut commas, mut tags) = (trie.alloc_token_set(), trie.alloc_token_set(), trie.alloc_token_set());
+        for id in 0..n as u32 {
+            let b = trie.token(id);
+            if !b.is_empty() && b.iter().all(|c| matches!(c, b'"' | b'}' | b']' | b')')) {
+                closers.allow_token(id);
+            }
+            if !b.is_empty() && b.iter().all(|c| matches!(c, b'"' | b'}' | b']' | b')' | b',')) {
+                commas.allow_token(id);
+            }
+            if b.first() == Some(&b'<') {
+                tags.allow_token(id);
+            }
+        }
+        let ends = trie.eos_token_set();
         let env: TokEnv = Arc::new(TokenizerBytes { trie, tokenizer });
         let mut factory = ParserFactory::new_simple(&env)?;
         factory.quiet();
-        Ok(Grammars { factory: Arc::new(factory), eos: eos.to_vec() })
+        Ok(Grammars { factory: Arc::new(factory), eos: eos.to_vec(), closers: Arc::new([ends, closers, commas, tags]) })
     }
 
     /// A fresh matcher for `spec`; `Err` says why the grammar does not compile.
@@ -150,7 +184,7 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(Constraint { matcher, eos: self.eos.clone(), wait_for: None, mask: None })
+        Ok(Constraint { matcher, eos: self.eos.clone(), wait_for: None, mask: None, closers: self.closers.clone(), tags_first: false })
     }
 }
 
@@ -163,6 +197,9 @@ pub struct Constraint {
     wait_for: Option<u32>,
     /// The mask for the next token, once computed.
     mask: Option<SimpleVob>,
+    closers: Arc<[SimpleVob; 4]>,
+    /// Close tags before brackets when steering towards the end (see the module docs).
+    tags_first: bool,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -175,6 +212,13 @@ impl Constraint {
     /// Leaves the output free until `token` has been generated (e.g. `</think>`).
     pub fn starting_after(mut self, token: Option<u32>) -> Constraint {
         self.wait_for = token;
+        self
+    }
+
+    /// Near the end of the budget, steer towards closing tags first (a grammar of tags around
+    /// raw text; see the module docs).
+    pub fn closing_tags_first(mut self) -> Constraint {
+        self.tags_first = true;
         self
     }
 
@@ -193,14 +237,27 @@ impl Constraint {
         Ok(())
     }
 
-    /// Sets the logits of every token the grammar does not allow next to -inf. Errors when
-    /// the grammar allows nothing (a broken grammar state).
-    pub fn apply(&mut self, logits: &mut [f32]) -> Result<(), String> {
+    /// Sets the logits of every token the grammar does not allow next to -inf; `remaining`:
+    /// tokens left in the request's budget, this one included (see the module docs). Errors
+    /// when the grammar allows nothing (a broken grammar state).
+    pub fn apply(&mut self, logits: &mut [f32], remaining: usize) -> Result<(), String> {
         if !self.active() {
             return Ok(());
         }
         self.prepare()?;
         let mask = self.mask.as_ref().expect("prepared above");
+        if remaining <= if self.tags_first { CLOSING_RESERVE_TAGS } else { CLOSING_RESERVE } {
+            let [ends, closers, commas, tags] = &*self.closers;
+            let tiers = if self.tags_first { [ends, tags, closers, commas] } else { [ends, closers, commas, ends] };
+            for pick in tiers {
+                let mut m = mask.clone();
+                m.and(pick);
+                if !m.is_zero() {
+                    apply_mask(&m, logits);
+                    return Ok(());
+                }
+            }
+        }
         apply_mask(mask, logits);
         if logits.iter().all(|x| *x == f32::NEG_INFINITY) {
             return Err("the grammar allows no token here".into());
@@ -267,7 +324,7 @@ mod tests {
             for (k, &f) in favourite.iter().enumerate() {
                 logits[f as usize] = 10.0 + k as f32;
             }
-            c.apply(&mut logits).unwrap();
+            c.apply(&mut logits, usize::MAX).unwrap();
             let t = crate::sampling::argmax(&logits) as u32;
             if c.observe(t).unwrap() {
                 return (tok.decode(&out, false), true);
@@ -315,12 +372,45 @@ mod tests {
         let think_end = tok.markers().think_end.unwrap();
         let mut c = g.compile(&GrammarSpec::Choice(vec!["yes".into()])).unwrap().starting_after(Some(think_end));
         let mut l = vec![0.0f32; tok.vocab_size()];
-        c.apply(&mut l).unwrap();
+        c.apply(&mut l, usize::MAX).unwrap();
         assert!(l.iter().all(|x| x.is_finite()), "free before </think>");
         assert!(!c.observe(think_end).unwrap());
         assert!(c.active());
-        c.apply(&mut l).unwrap();
+        c.apply(&mut l, usize::MAX).unwrap();
         assert!(l.iter().filter(|x| x.is_finite()).count() < 10);
+    }
+
+    #[test]
+    fn closes_json_within_the_budget() {
+        let tok = qwen();
+        let g = grammars(&tok);
+        // A "model" that would write one long string forever.
+        let fav: Vec<u32> = [" word", " more", "1"].iter().map(|s| tok.encode(s, false).unwrap()[0]).collect();
+        let schema = json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object",
+            "properties": {"s": {"type": "string"}, "n": {"type": "integer"}}, "required": ["s", "n"]}}}, "required": ["a"]});
+        let numbers = json!({"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "integer"}}, "required": ["x", "y"]});
+        for spec in [GrammarSpec::JsonObject, GrammarSpec::JsonSchema(schema), GrammarSpec::JsonSchema(numbers)] {
+            let mut c = g.compile(&spec).unwrap();
+            let budget = 60;
+            let mut out = Vec::new();
+            let mut ended = false;
+            for step in 0..budget {
+                let mut logits = vec![0.0f32; tok.vocab_size()];
+                for (k, &f) in fav.iter().enumerate() {
+                    logits[f as usize] = 10.0 + k as f32;
+                }
+                c.apply(&mut logits, budget - step).unwrap();
+                let t = crate::sampling::argmax(&logits) as u32;
+                if c.observe(t).unwrap() {
+                    ended = true;
+                    break;
+                }
+                out.push(t);
+            }
+            let text = tok.decode(&out, false);
+            assert!(ended, "{text}");
+            serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        }
     }
 
     #[test]

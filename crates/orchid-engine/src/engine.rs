@@ -424,12 +424,17 @@ impl<B: Backend> Engine<B> {
         let batch = BatchLayout { spans };
         // The grammar masks for this step are computed while the model runs.
         let (model, state, running) = (&self.model, &mut self.state, &mut self.running);
-        let (logits, masks) = std::thread::scope(|sc| {
-            let masks = sc.spawn(|| prepare_masks(running));
-            let logits = model.forward(&ids, &batch, state, LogitRows::LastOfEachSpan).and_then(|l| model.backend.to_host(&l));
-            (logits, masks.join())
-        });
-        let masks = masks.unwrap_or_else(|_| vec![(usize::MAX, "computing the grammar mask panicked".to_string())]);
+        let mut forward = || model.forward(&ids, &batch, state, LogitRows::LastOfEachSpan).and_then(|l| model.backend.to_host(&l));
+        let (logits, masks) = if running.iter().any(|s| s.constraint.is_some()) {
+            std::thread::scope(|sc| {
+                let masks = sc.spawn(|| prepare_masks(running));
+                let logits = forward();
+                let masks = masks.join().unwrap_or_else(|_| vec![(usize::MAX, "computing the grammar mask panicked".to_string())]);
+                (logits, masks)
+            })
+        } else {
+            (forward(), Vec::new())
+        };
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -458,7 +463,8 @@ impl<B: Backend> Engine<B> {
                 Some(c) if c.active() => {
                     let mut masked = l[..valid].to_vec();
                     let failed = masks.iter().find(|(j, _)| *j == i || *j == usize::MAX).map(|(_, e)| e.clone());
-                    match failed.map_or_else(|| c.apply(&mut masked), Err) {
+                    let remaining = s.req.max_tokens.min(self.max_context - s.prompt.len()).saturating_sub(s.generated.len());
+                    match failed.map_or_else(|| c.apply(&mut masked, remaining), Err) {
                         Ok(()) => s.sampler.sample(&masked, valid),
                         Err(e) => {
                             let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));

@@ -85,7 +85,7 @@ fn plan(st: &AppState, template: &ChatTemplate, tok: &Tokenizer, req: &ChatReque
             };
             let parallel = req.parallel_tool_calls && only.is_none();
             let grammar = tool_call_grammar(t, only, parallel, &prefix);
-            Some(st.compile_grammar("tools", &GrammarSpec::Lark(grammar))?)
+            Some(st.compile_grammar("tools", &GrammarSpec::Lark(grammar))?.closing_tags_first())
         }
         (_, Some(s), _) => {
             let after = if reasoning == Some(true) { tok.markers().think_end } else { None };

@@ -220,7 +220,13 @@ fn value_grammar(schema: &Value) -> String {
         let p = p.strip_suffix('$').filter(|q| !q.ends_with('\\')).unwrap_or(p);
         return format!("/{}/", p.replace('/', "\\/"));
     }
-    "/[^<]*/".to_string()
+    let bound = |k: &str| schema.get(k).and_then(Value::as_u64);
+    match (bound("minLength"), bound("maxLength")) {
+        // A length bound: one line of text (the newlines around it are the call's framing).
+        (None, None) => "/[^<]*/".to_string(),
+        (lo, Some(hi)) => format!("/[^<\\n]{{{},{}}}/", lo.unwrap_or(0).min(hi), hi),
+        (Some(lo), None) => format!("/[^<\\n]{{{lo},}}/"),
+    }
 }
 
 /// Whether a value written as raw text may be a string under `schema` (no type: anything).

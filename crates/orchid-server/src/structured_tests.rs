@@ -63,7 +63,7 @@ fn qwen() -> (Arc<Tokenizer>, Grammars) {
 fn tools() -> Vec<Value> {
     vec![
         json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-            "city": {"type": "string"},
+            "city": {"type": "string", "maxLength": 12},
             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
             "days": {"type": "integer", "minimum": 1, "maximum": 7},
             "tags": {"type": "array", "items": {"type": "string"}},
@@ -82,7 +82,7 @@ fn drive(tok: &Tokenizer, mut c: orchid_engine::constraint::Constraint, fav: &[&
         for (k, &f) in fav.iter().enumerate() {
             logits[f as usize] = 10.0 + k as f32;
         }
-        c.apply(&mut logits).unwrap();
+        c.apply(&mut logits, usize::MAX).unwrap();
         let t = orchid_engine::sampling::argmax(&logits) as u32;
         if c.observe(t).unwrap() {
             return (tok.decode(&out, false), true);
@@ -141,7 +141,7 @@ fn forced_calls_parse_and_follow_the_schema() {
                 assert_eq!(name, o);
             }
             if name == "get_weather" {
-                assert!(args["city"].is_string(), "{args}");
+                assert!(args["city"].as_str().unwrap().chars().count() <= 12, "{args}");
                 assert!((1..=7).contains(&args["days"].as_i64().unwrap()), "{args}");
                 if let Some(u) = args.get("unit") {
                     assert!(u == "celsius" || u == "fahrenheit", "{args}");
