@@ -13,7 +13,8 @@
 //!
 //! Finishing within the budget. A grammar only says what may come next, not when to stop: a
 //! model that never writes the closing quote of a JSON string would run into `max_tokens`
-//! with half a JSON value. So in the last [`CLOSING_RESERVE`] tokens of a request's budget the
+//! with half a JSON value. So in the last [`CLOSING_RESERVE`] tokens of a request's budget (at
+//! most its second half) the
 //! constraint steers towards the end: when the grammar allows ending, only the end tokens are
 //! allowed; otherwise, when it allows a token made only of closing characters (`"`, `}`, `]`,
 //! `)`), only those are; otherwise tokens of closing characters and commas. In JSON this ends
@@ -238,15 +239,17 @@ impl Constraint {
     }
 
     /// Sets the logits of every token the grammar does not allow next to -inf; `remaining`:
-    /// tokens left in the request's budget, this one included (see the module docs). Errors
-    /// when the grammar allows nothing (a broken grammar state).
-    pub fn apply(&mut self, logits: &mut [f32], remaining: usize) -> Result<(), String> {
+    /// tokens left in the request's budget of `budget` tokens, this one included (see the
+    /// module docs: the steering covers at most the second half of the budget). Errors when
+    /// the grammar allows nothing (a broken grammar state).
+    pub fn apply(&mut self, logits: &mut [f32], remaining: usize, budget: usize) -> Result<(), String> {
         if !self.active() {
             return Ok(());
         }
         self.prepare()?;
         let mask = self.mask.as_ref().expect("prepared above");
-        if remaining <= if self.tags_first { CLOSING_RESERVE_TAGS } else { CLOSING_RESERVE } {
+        let reserve = if self.tags_first { CLOSING_RESERVE_TAGS } else { CLOSING_RESERVE };
+        if remaining <= reserve.min(budget / 2) {
             let [ends, closers, commas, tags] = &*self.closers;
             let tiers = if self.tags_first { [ends, tags, closers, commas] } else { [ends, closers, commas, ends] };
             for pick in tiers {
@@ -324,7 +327,7 @@ mod tests {
             for (k, &f) in favourite.iter().enumerate() {
                 logits[f as usize] = 10.0 + k as f32;
             }
-            c.apply(&mut logits, usize::MAX).unwrap();
+            c.apply(&mut logits, usize::MAX, usize::MAX).unwrap();
             let t = crate::sampling::argmax(&logits) as u32;
             if c.observe(t).unwrap() {
                 return (tok.decode(&out, false), true);
@@ -372,11 +375,11 @@ mod tests {
         let think_end = tok.markers().think_end.unwrap();
         let mut c = g.compile(&GrammarSpec::Choice(vec!["yes".into()])).unwrap().starting_after(Some(think_end));
         let mut l = vec![0.0f32; tok.vocab_size()];
-        c.apply(&mut l, usize::MAX).unwrap();
+        c.apply(&mut l, usize::MAX, usize::MAX).unwrap();
         assert!(l.iter().all(|x| x.is_finite()), "free before </think>");
         assert!(!c.observe(think_end).unwrap());
         assert!(c.active());
-        c.apply(&mut l, usize::MAX).unwrap();
+        c.apply(&mut l, usize::MAX, usize::MAX).unwrap();
         assert!(l.iter().filter(|x| x.is_finite()).count() < 10);
     }
 
@@ -399,7 +402,7 @@ mod tests {
                 for (k, &f) in fav.iter().enumerate() {
                     logits[f as usize] = 10.0 + k as f32;
                 }
-                c.apply(&mut logits, budget - step).unwrap();
+                c.apply(&mut logits, budget - step, budget).unwrap();
                 let t = crate::sampling::argmax(&logits) as u32;
                 if c.observe(t).unwrap() {
                     ended = true;

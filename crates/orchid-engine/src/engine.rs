@@ -463,8 +463,9 @@ impl<B: Backend> Engine<B> {
                 Some(c) if c.active() => {
                     let mut masked = l[..valid].to_vec();
                     let failed = masks.iter().find(|(j, _)| *j == i || *j == usize::MAX).map(|(_, e)| e.clone());
-                    let remaining = s.req.max_tokens.min(self.max_context - s.prompt.len()).saturating_sub(s.generated.len());
-                    match failed.map_or_else(|| c.apply(&mut masked, remaining), Err) {
+                    let budget = s.req.max_tokens.min(self.max_context - s.prompt.len());
+                    let remaining = budget.saturating_sub(s.generated.len());
+                    match failed.map_or_else(|| c.apply(&mut masked, remaining, budget), Err) {
                         Ok(()) => s.sampler.sample(&masked, valid),
                         Err(e) => {
                             let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));

@@ -178,18 +178,32 @@ pub fn tool_call_grammar(tools: &[Value], only: Option<&str>, parallel: bool, pr
         let mut body = Vec::new();
         for (j, (p, schema)) in props.iter().enumerate() {
             let rule = format!("p_{i}_{j}");
-            let value = format!("v_{i}_{j}");
-            let open = lark_string(&format!("<parameter={p}>"));
-            rules.push(format!("{rule}: {open} NL? {value} NL? {} NL?", lark_string("</parameter>")));
-            rules.push(format!("{value}: {}", value_grammar(schema)));
+            match value_grammar(schema) {
+                ValueGrammar::Json(json) => {
+                    let open = lark_string(&format!("<parameter={p}>"));
+                    rules.push(format!("{rule}: {open} NL? v_{i}_{j} NL? {} NL?", lark_string("</parameter>")));
+                    rules.push(format!("v_{i}_{j}: {json}"));
+                }
+                // Raw text: the whole parameter is one terminal, so that a token may run from
+                // the tag into the text (`>E`) as the tokenizer may write it.
+                ValueGrammar::Text(rx) => {
+                    let whole = format!("<parameter={}>\\n?{rx}\\n?</parameter>\\n?", regex_escape(p));
+                    rules.push(format!("{rule}: P_{i}_{j}"));
+                    rules.push(format!("P_{i}_{j}: /{}/", whole.replace('/', "\\/")));
+                }
+            }
             body.push(if required.contains(&p.as_str()) { rule } else { format!("{rule}?") });
         }
         body.push(format!("{} NL? {}", lark_string("</function>"), lark_string("</tool_call>")));
-        let header = format!("<tool_call>\n<function={name}>\n");
-        rules.push(format!("call_{i}: {} {}", lark_string(&header), body.join(" ")));
+        let header = format!("<tool_call>\n<function={name}>");
+        rules.push(format!("call_{i}: {} NL? {}", lark_string(&header), body.join(" ")));
         calls.push(format!("call_{i}"));
-        if let Some(rest) = header.strip_prefix(prefix) {
-            let rest = if rest.is_empty() { String::new() } else { lark_string(rest) };
+        let rest = if prefix == format!("{header}\n") {
+            Some(String::new())
+        } else {
+            header.strip_prefix(prefix).map(|r| if r.is_empty() { "NL?".to_string() } else { format!("{} NL?", lark_string(r)) })
+        };
+        if let Some(rest) = rest {
             rules.push(format!("first_{i}: {rest} {}", body.join(" ")));
             firsts.push(format!("first_{i}"));
         }
@@ -199,34 +213,55 @@ pub fn tool_call_grammar(tools: &[Value], only: Option<&str>, parallel: bool, pr
 }
 
 /// The grammar of one parameter value (see [`tool_call_grammar`]).
-fn value_grammar(schema: &Value) -> String {
+enum ValueGrammar {
+    /// JSON following the schema (a Lark `%json {..}` item).
+    Json(String),
+    /// Raw text matching this regex.
+    Text(String),
+}
+
+fn value_grammar(schema: &Value) -> ValueGrammar {
     if !allows_string(schema) {
-        return format!("%json {}", with_options(schema.clone()));
+        return ValueGrammar::Json(format!("%json {}", with_options(schema.clone())));
     }
-    if let Some(vals) = schema.get("enum").and_then(Value::as_array) {
+    if let Some(vals) = schema.get("enum").and_then(Value::as_array).filter(|v| !v.is_empty()) {
         let alts: Vec<String> = vals
             .iter()
             .map(|v| match v {
-                Value::String(s) => lark_string(s),
-                other => lark_string(&other.to_string()),
+                Value::String(s) => regex_escape(s),
+                other => regex_escape(&other.to_string()),
             })
             .collect();
-        if !alts.is_empty() {
-            return alts.join(" | ");
-        }
+        return ValueGrammar::Text(format!("(?:{})", alts.join("|")));
     }
     if let Some(p) = schema.get("pattern").and_then(Value::as_str) {
         let p = p.strip_prefix('^').unwrap_or(p);
         let p = p.strip_suffix('$').filter(|q| !q.ends_with('\\')).unwrap_or(p);
-        return format!("/{}/", p.replace('/', "\\/"));
+        return ValueGrammar::Text(format!("(?:{p})"));
     }
     let bound = |k: &str| schema.get(k).and_then(Value::as_u64);
-    match (bound("minLength"), bound("maxLength")) {
+    ValueGrammar::Text(match (bound("minLength"), bound("maxLength")) {
         // A length bound: one line of text (the newlines around it are the call's framing).
-        (None, None) => "/[^<]*/".to_string(),
-        (lo, Some(hi)) => format!("/[^<\\n]{{{},{}}}/", lo.unwrap_or(0).min(hi), hi),
-        (Some(lo), None) => format!("/[^<\\n]{{{lo},}}/"),
+        (None, None) => "[^<]*".to_string(),
+        (lo, Some(hi)) => format!("[^<\\n]{{{},{}}}", lo.unwrap_or(0).min(hi), hi),
+        (Some(lo), None) => format!("[^<\\n]{{{lo},}}"),
+    })
+}
+
+/// `s` matched literally in a regex.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            c => out.push(c),
+        }
     }
+    out
 }
 
 /// Whether a value written as raw text may be a string under `schema` (no type: anything).
