@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on this machine, everything the GPU machine runs (it has no Rust toolchain): the
 # release binary and the release test executables of orchid-cuda, stripped, in dist/
-# (git-ignored; pass `carry: ["dist"]` to the device call). Also checks that every kernel
+# (git-ignored; copy it to the GPU machine with the repository). Also checks that every kernel
 # compiles with NVRTC for sm_90a when a local NVRTC is available (pip wheels, see docs/cuda.md).
 #
 #   scripts/gpu-build.sh            # -> dist/orchid, dist/tests/*, dist/BUILD

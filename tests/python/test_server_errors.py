@@ -59,7 +59,11 @@ def envelope(body: dict, param=None, code=None) -> dict:
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}], "messages[0].content[0].type"),
     ("tools", "all", "tools"),
     ("tool_choice", "maybe", "tool_choice"),
-    ("response_format", {"type": "json_object"}, "response_format"),
+    ("response_format", {"type": "yaml"}, "response_format.type"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}, "response_format"),
+    ("guided_regex", "(unclosed", "guided_regex"),
+    ("structured_outputs", {"grammar": "start: nope_undefined_rule"}, "structured_outputs.grammar"),
+    ("structured_outputs", {"structural_tag": "x"}, "structured_outputs.structural_tag"),
     ("reasoning_effort", "extreme", "reasoning_effort"),
     ("chat_template_kwargs", 5, "chat_template_kwargs"),
 ])

@@ -30,6 +30,14 @@
 //! reproducible but draws from its own generator, keyed by (seed, token index), not from the
 //! host sampler's stream, so a seeded sampled request gives different (equally distributed)
 //! text with the fast path on and off.
+//!
+//! Constrained decoding. A request with a [`Constraint`](crate::constraint::Constraint) (a
+//! grammar) never takes the fast path: its mask is applied to the host logits before the
+//! host sampler runs. The masks for a step are computed on a second thread while the model
+//! runs that step's forward call (each constrained sequence's matcher already knows the token
+//! it is about to be fed), so on a GPU the mask costs no step time; constrained and free
+//! sequences share the batch. (The fast decoder would need a mask buffer its sampler reads,
+//! uploaded each step; see docs/server.md.)
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -41,6 +49,7 @@ use std::thread::JoinHandle;
 use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode, LogitRows, Model, SeqSpan, StateOptions, StatePool};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
+use crate::constraint::Constraint;
 use crate::detokenize::Detokenizer;
 use crate::prefix_cache::{self, PrefixCache};
 use crate::request::{Event, FinishReason, GenerateRequest, StopReason, SubmitError, Usage};
@@ -404,6 +413,8 @@ struct Seq<S> {
     /// The request got its last event (finished or failed): a closed channel afterwards is not
     /// a cancellation.
     ended: bool,
+    /// The grammar the output follows, if any.
+    constraint: Option<Constraint>,
 }
 
 impl<S> Seq<S> {
@@ -546,10 +557,11 @@ impl<B: Backend> Engine<B> {
             };
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             self.stats.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
-            let req = *req;
+            let mut req = *req;
             let req_thinking = req.thinking.is_some();
+            let constraint = req.constraint.take();
             let (cached, save_points) = self.restore_prefix(slot, &req.prompt);
-            let fast_ok = device_sampling_ok(&req);
+            let fast_ok = device_sampling_ok(&req) && constraint.is_none();
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
                 slot,
@@ -568,6 +580,7 @@ impl<B: Backend> Engine<B> {
                 device_seed,
                 thinking_open: req_thinking,
                 ended: false,
+                constraint,
             });
         }
     }
@@ -663,10 +676,19 @@ impl<B: Backend> Engine<B> {
             }
         }
         let batch = BatchLayout { spans };
-        let logits = self
-            .model
-            .forward(&ids, &batch, &mut self.state, LogitRows::LastOfEachSpan)
-            .and_then(|l| self.model.backend.to_host(&l));
+        // The grammar masks for this step are computed while the model runs.
+        let (model, state, running) = (&self.model, &mut self.state, &mut self.running);
+        let mut forward = || model.forward(&ids, &batch, state, LogitRows::LastOfEachSpan).and_then(|l| model.backend.to_host(&l));
+        let (logits, masks) = if running.iter().any(|s| s.constraint.is_some()) {
+            std::thread::scope(|sc| {
+                let masks = sc.spawn(|| prepare_masks(running));
+                let logits = forward();
+                let masks = masks.join().unwrap_or_else(|_| vec![(usize::MAX, "computing the grammar mask panicked".to_string())]);
+                (logits, masks)
+            })
+        } else {
+            (forward(), Vec::new())
+        };
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -700,7 +722,26 @@ impl<B: Backend> Engine<B> {
             }
             let s = &mut self.running[i];
             let l = &logits[row * v..(row + 1) * v];
-            let tok = s.next_token(l, valid);
+            let masked = match &mut s.constraint {
+                Some(c) if c.active() => {
+                    let mut masked = l[..valid].to_vec();
+                    let failed = masks.iter().find(|(j, _)| *j == i || *j == usize::MAX).map(|(_, e)| e.clone());
+                    let budget = s.req.max_tokens.min(self.max_context - s.prompt.len());
+                    let remaining = budget.saturating_sub(s.generated.len());
+                    match failed.map_or_else(|| c.apply(&mut masked, remaining, budget), Err) {
+                        Ok(()) => Some(masked),
+                        Err(e) => {
+                            let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
+                            s.ended = true;
+                            done.push(i);
+                            continue;
+                        }
+                    }
+                }
+                _ => None,
+            };
+            let tok = s.next_token(masked.as_deref().unwrap_or(l), valid);
+            // Log-probabilities are those of the model, before any grammar mask.
             let lp = s.req.logprobs.map(|n| logprobs(l, valid, tok, n));
             if !emit(s, tok, lp, self.max_context) {
                 done.push(i);
@@ -802,6 +843,20 @@ pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
         && (p.is_greedy() || (p.temperature.is_finite() && p.top_p.is_finite() && p.min_p.is_finite()))
 }
 
+/// Computes the next-token grammar masks of the running sequences that will sample this step
+/// (run on a helper thread during the forward call); returns the failures by sequence index.
+fn prepare_masks<S>(running: &mut [Seq<S>]) -> Vec<(usize, String)> {
+    let mut failed = Vec::new();
+    for (i, s) in running.iter_mut().enumerate() {
+        if let Some(c) = &mut s.constraint
+            && let Err(e) = c.prepare()
+        {
+            failed.push((i, e));
+        }
+    }
+    failed
+}
+
 /// Records a sampled token and streams it; false when the sequence is finished (or its
 /// client is gone).
 fn emit<S>(s: &mut Seq<S>, tok: u32, lp: Option<crate::sampling::TokenLogprob>, max_context: usize) -> bool {
@@ -828,7 +883,16 @@ fn emit<S>(s: &mut Seq<S>, tok: u32, lp: Option<crate::sampling::TokenLogprob>, 
         Some(m) if s.req.include_stop_str => t + m,
         _ => t,
     };
-    if s.req.stop_token_ids.contains(&tok) {
+    let grammar_end = match s.constraint.as_mut().map(|c| c.observe(tok)) {
+        None | Some(Ok(false)) => false,
+        Some(Ok(true)) => true,
+        Some(Err(e)) => {
+            let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
+            s.ended = true;
+            return false;
+        }
+    };
+    if grammar_end || s.req.stop_token_ids.contains(&tok) {
         // The end-of-turn token is not text; release what was held back.
         if s.tx.send(Event::Token { id: tok, text: String::new(), logprob: lp }).is_err() {
             return false;

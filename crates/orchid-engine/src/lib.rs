@@ -3,8 +3,10 @@
 //! - [`tokenizer`]: `tokenizer.json` + the special ids (eos set, think/tool-call markers).
 //! - [`chat_template`]: HF chat templates rendered with minijinja, byte-identical to transformers.
 //! - [`detokenize`]: streaming token ids back to text without splitting characters.
+//! - [`constraint`]: grammar-constrained decoding (JSON schema, regex, choice, Lark) with llguidance.
 
 pub mod chat_template;
+pub mod constraint;
 pub mod defaults;
 pub mod detokenize;
 pub mod engine;

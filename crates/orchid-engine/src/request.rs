@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use crate::constraint::Constraint;
 use crate::sampling::{SamplingParams, TokenLogprob};
 
 /// One generation request, already tokenized.
@@ -27,6 +28,8 @@ pub struct GenerateRequest {
     pub logit_bias: HashMap<u32, f32>,
     /// Bounded reasoning: see [`ThinkingBudget`].
     pub thinking: Option<ThinkingBudget>,
+    /// A grammar the output must follow (structured output, forced tool calls).
+    pub constraint: Option<Constraint>,
 }
 
 /// A reasoning budget: the prompt leaves the model inside `<think>`; once `budget` tokens were
@@ -52,6 +55,7 @@ impl GenerateRequest {
             include_stop_str: false,
             logit_bias: HashMap::new(),
             thinking: None,
+            constraint: None,
         }
     }
 }

@@ -88,7 +88,8 @@ pub async fn count_tokens(State(st): State<AppState>, body: Result<JsonBody, Api
         st.ready()?;
         let template = st.template.clone().ok_or_else(|| ApiError::bad_request("This model has no chat template."))?;
         let tok = st.tokenizer.clone();
-        st.blocking(move || crate::chat::plan(&template, &tok, &req, usize::MAX).map(|p| p.prompt.len())).await
+        let st2 = st.clone();
+        st.blocking(move || crate::chat::plan(&st2, &template, &tok, &req, usize::MAX).map(|p| p.prompt.len())).await
     };
     match count.await {
         Ok(n) => axum::Json(json!({"input_tokens": n})).into_response(),

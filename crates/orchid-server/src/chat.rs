@@ -4,12 +4,17 @@
 //! `tool_choice` is `none`), tokenized, and generated until an end-of-turn token. The output
 //! goes through [`ChatOutput`] (reasoning, then tool calls) in both modes.
 //!
-//! `tool_choice` steering (prompt-level, no constrained decoding):
+//! `tool_choice`:
 //! - `auto`: tools in the prompt, calls parsed.
 //! - `none`: tools left out of the prompt, nothing parsed.
-//! - `required`: thinking is turned off for the turn and the assistant turn is started with
-//!   `<tool_call>\n<function=`, so the model must name a function.
-//! - a named function: as `required`, with `<tool_call>\n<function=NAME>\n` written for it.
+//! - `required`: thinking is turned off for the turn and the output is constrained to one or
+//!   more well-formed calls of the request's tools (one with `parallel_tool_calls: false`),
+//!   each parameter value following its schema (see [`crate::structured::tool_call_grammar`]).
+//! - a named function: as `required`, with that function only, called once.
+//!
+//! `response_format` / `structured_outputs` / `guided_*` constrain the answer to a grammar;
+//! when the prompt opens `<think>`, the reasoning is free and the constraint starts after
+//! `</think>`.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -18,6 +23,7 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use orchid_engine::constraint::{Constraint, GrammarSpec};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest, StopReason, ThinkingBudget};
 use orchid_engine::sampling::TokenLogprob;
 use orchid_engine::{ChatTemplate, Tokenizer};
@@ -32,6 +38,7 @@ use crate::openai::validate::{self, ChatRequest, Common, Extras, ToolChoice};
 use crate::reasoning_parser::ReasoningParser;
 use crate::sse::sse_response;
 use crate::state::AppState;
+use crate::structured::tool_call_grammar;
 use crate::tool_schema::ToolSchemas;
 
 /// A rendered, tokenized chat request.
@@ -41,6 +48,8 @@ pub(crate) struct Plan {
     pub reasoning: Option<bool>,
     /// Tool schemas and the forced prompt suffix, when calls are parsed.
     pub tools: Option<(ToolSchemas, String)>,
+    /// The grammar the output follows (forced tool calls or structured output).
+    pub constraint: Option<Constraint>,
 }
 
 /// Roles whose text comes from the client (its special tokens are encoded as plain text).
@@ -103,14 +112,16 @@ fn render_with_plain_spans(
     Ok((text, Vec::new()))
 }
 
-pub(crate) fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest, max_context: usize) -> Result<Plan, ApiError> {
+pub(crate) fn plan(st: &AppState, template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest, max_context: usize) -> Result<Plan, ApiError> {
     let mut kwargs = req.template_kwargs.clone();
-    let forced = match &req.tool_choice {
-        ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
-        ToolChoice::Function(name) => Some(format!("<tool_call>\n<function={name}>\n")),
-        ToolChoice::None | ToolChoice::Auto => None,
+    // A forced call is started in the prompt (which steers the model), the grammar finishes it.
+    let prefix = match &req.tool_choice {
+        ToolChoice::Required => "<tool_call>\n<function=".to_string(),
+        ToolChoice::Function(name) => format!("<tool_call>\n<function={name}>\n"),
+        ToolChoice::None | ToolChoice::Auto => String::new(),
     };
-    if forced.is_some() {
+    let forced = !prefix.is_empty();
+    if forced {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
     let tools = if req.tool_choice == ToolChoice::None {
@@ -133,17 +144,31 @@ pub(crate) fn plan(template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest, 
             }
         }
     }
-    let reasoning = if forced.is_some() {
+    text.push_str(&prefix);
+    let reasoning = if forced {
         None
     } else {
         Some(prompt_opens_reasoning(&text))
     };
-    if let Some(f) = &forced {
-        text.push_str(f);
-    }
     let prompt = AppState::encode_prompt(tok, &text, false, &plain, max_context, "messages")?;
-    let tools = tools.map(|t| (ToolSchemas::from_tools(t), forced.unwrap_or_default()));
-    Ok(Plan { prompt, reasoning, tools })
+    let constraint = match (&req.tool_choice, &req.structured, tools) {
+        (ToolChoice::Required | ToolChoice::Function(_), _, Some(t)) => {
+            let only = match &req.tool_choice {
+                ToolChoice::Function(name) => Some(name.as_str()),
+                _ => None,
+            };
+            let parallel = req.parallel_tool_calls && only.is_none();
+            let grammar = tool_call_grammar(t, only, parallel, &prefix);
+            Some(st.compile_grammar("tools", &GrammarSpec::Lark(grammar))?.closing_tags_first())
+        }
+        (_, Some(s), _) => {
+            let after = if reasoning == Some(true) { tok.markers().think_end } else { None };
+            Some(st.compile_grammar(&s.field, &s.spec)?.starting_after(after))
+        }
+        _ => None,
+    };
+    let tools = tools.map(|t| (ToolSchemas::from_tools(t), prefix));
+    Ok(Plan { prompt, reasoning, tools, constraint })
 }
 
 /// The end-of-turn ids: the checkpoint's eos ids plus `<|im_end|>`.
@@ -191,6 +216,7 @@ pub(crate) fn generate_request(c: &Common, prompt: Vec<u32>, max_tokens: usize, 
         include_stop_str: x.include_stop_str,
         logit_bias: x.logit_bias.clone(),
         thinking: None,
+        constraint: None,
     }
 }
 
@@ -230,7 +256,8 @@ pub(crate) async fn start_chat(st: &AppState, req: ChatRequest, arrived: Instant
         .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
     let tok = st.tokenizer.clone();
     let max_context = info.max_context;
-    let (plan, req) = st.blocking(move || plan(&template, &tok, &req, max_context).map(|p| (p, req))).await?;
+    let st2 = st.clone();
+    let (plan, req) = st.blocking(move || plan(&st2, &template, &tok, &req, max_context).map(|p| (p, req))).await?;
     if plan.prompt.len() >= info.max_context {
         return Err(ApiError::context_length("messages", plan.prompt.len(), info.max_context));
     }
@@ -242,6 +269,7 @@ pub(crate) async fn start_chat(st: &AppState, req: ChatRequest, arrived: Instant
     {
         g.thinking = Some(ThinkingBudget { budget, end_token });
     }
+    g.constraint = plan.constraint;
     let runs = submit_n(st, g, c.extras.n, arrived).map_err(|mut e| {
         if e.param.as_deref() == Some("prompt") {
             e.param = Some("messages".into());

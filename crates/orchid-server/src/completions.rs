@@ -1,5 +1,6 @@
 //! `POST /v1/completions`: a raw prompt (text or token ids), continued until an eos token,
-//! a stop string or `max_tokens` (default 16, as OpenAI). No template, no parsing.
+//! a stop string or `max_tokens` (default 16, as OpenAI). No template, no parsing; an output
+//! constraint (`response_format`, `structured_outputs`, `guided_*`) applies from the start.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -30,14 +31,18 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
     let tok = st.tokenizer.clone();
     let prompt = req.prompt.clone();
     let max_context = info.max_context;
-    let (ids, prompt_text) = st.blocking(move || match prompt {
-        Prompt::Text(t) => {
-            let ids = AppState::encode_prompt(&tok, &t, true, &[], max_context, "prompt")?;
-            Ok((ids, t))
-        }
-        Prompt::Tokens(ids) => {
-            let text = tok.decode(&ids, false);
-            Ok((ids, text))
+    let (st2, structured) = (st.clone(), req.structured.clone());
+    let (ids, prompt_text, constraint) = st.blocking(move || {
+        let constraint = structured.map(|s| st2.compile_grammar(&s.field, &s.spec)).transpose()?;
+        match prompt {
+            Prompt::Text(t) => {
+                let ids = AppState::encode_prompt(&tok, &t, true, &[], max_context, "prompt")?;
+                Ok((ids, t, constraint))
+            }
+            Prompt::Tokens(ids) => {
+                let text = tok.decode(&ids, false);
+                Ok((ids, text, constraint))
+            }
         }
     })
     .await?;
@@ -56,7 +61,8 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
     }
     let room = info.max_context - ids.len();
     let c = &req.common;
-    let g = generate_request(c, ids, c.max_tokens.unwrap_or(16).min(room), st.tokenizer.eos_token_ids().to_vec(), req.logprobs);
+    let mut g = generate_request(c, ids, c.max_tokens.unwrap_or(16).min(room), st.tokenizer.eos_token_ids().to_vec(), req.logprobs);
+    g.constraint = constraint;
     let runs = submit_n(&st, g, c.extras.n, arrived)?;
     let echo = if req.echo { prompt_text } else { String::new() };
     let meta = Meta::new("cmpl-", &st.config.model_id);

@@ -11,6 +11,8 @@
 //!   pipeline; [`tokenize`] (`/tokenize`, `/detokenize`).
 //! - [`access_log`] (request ids, one log line per request), [`vllm_metrics`] (vLLM's metric
 //!   names beside orchid's own).
+//! - [`structured`]: `response_format` / `structured_outputs` / `guided_*` and the forced
+//!   tool-call grammar (constrained decoding with llguidance).
 //! - [`sse`], [`metrics`], [`errors`] (the one place errors become responses), [`server`]
 //!   (listening and clean shutdown).
 //!
@@ -42,6 +44,7 @@ pub mod routes;
 pub mod server;
 pub mod sse;
 pub mod state;
+pub mod structured;
 pub mod tool_parser;
 pub mod tokenize;
 pub mod tool_schema;

@@ -1,10 +1,11 @@
 //! What every handler shares: the engine handle, tokenizer, chat template, configuration,
 //! metrics and the shutdown flag.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use orchid_engine::constraint::{Constraint, Grammars};
 use orchid_engine::engine::{EngineHandle, ModelInfo};
 use orchid_engine::request::GenerateRequest;
 use orchid_engine::sampling::SamplingParams;
@@ -76,6 +77,8 @@ pub struct Inner {
     shutting_down: AtomicBool,
     /// Unix time the server started (`created` of the model object).
     pub started: u64,
+    /// The grammar compiler for this tokenizer, built on first use.
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 impl std::ops::Deref for AppState {
@@ -96,6 +99,7 @@ impl AppState {
             config,
             shutting_down: AtomicBool::new(false),
             started: crate::openai::unix_now(),
+            grammars: OnceLock::new(),
         }))
     }
 
@@ -185,6 +189,16 @@ impl AppState {
         } else {
             ApiError::internal(message)
         }
+    }
+
+    /// Compiles a grammar for a request (call it off the async workers: the first call builds
+    /// the token trie). A grammar that does not compile is a 400 naming `field`.
+    pub fn compile_grammar(&self, field: &str, spec: &orchid_engine::constraint::GrammarSpec) -> Result<Constraint, ApiError> {
+        let g = self.grammars.get_or_init(|| {
+            Grammars::new(self.tokenizer.clone(), &crate::chat::chat_stop_ids(&self.tokenizer)).map_err(|e| format!("{e:#}"))
+        });
+        let g = g.as_ref().map_err(|e| ApiError::invalid(field, format!("constrained decoding is not available: {e}")))?;
+        g.compile(spec).map_err(|e| ApiError::invalid(field, format!("`{field}` cannot be compiled: {e}")))
     }
 
     /// Runs CPU-bound request preparation (template rendering, tokenizing) off the async

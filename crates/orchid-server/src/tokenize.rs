@@ -54,7 +54,8 @@ pub async fn tokenize(State(st): State<AppState>, JsonBody(body): JsonBody) -> R
                 .clone()
                 .ok_or_else(|| ApiError::bad_request("This model has no chat template; tokenize a `prompt` instead."))?;
             // Counting is the point here: no context limit (the body limit bounds the work).
-            st.blocking(move || crate::chat::plan(&template, &tok, &req, usize::MAX).map(|p| p.prompt)).await?
+            let st2 = st.clone();
+            st.blocking(move || crate::chat::plan(&st2, &template, &tok, &req, usize::MAX).map(|p| p.prompt)).await?
         }
         (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give either `prompt` or `messages`, not both")),
         (Some(_), None) => return Err(ApiError::invalid("prompt", "`prompt` must be a string")),

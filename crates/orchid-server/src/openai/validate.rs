@@ -1,12 +1,14 @@
 //! Request bodies -> validated requests. Every invalid value is a 400 naming the field in
 //! `param`; unknown fields are ignored (and logged once per name, see `extras`); features this
-//! server does not have (image parts, JSON response formats, beam search ...) are rejected
-//! rather than silently ignored.
+//! server does not have (image parts, beam search ...) are rejected rather than silently
+//! ignored. Output constraints (`response_format`, `structured_outputs`, `guided_*`) are read by
+//! [`crate::structured`].
 
 use orchid_engine::sampling::SamplingParams;
 use serde_json::{Map, Value};
 
 use crate::errors::ApiError;
+use crate::structured::{self, Structured};
 
 type Result<T> = std::result::Result<T, ApiError>;
 
@@ -49,6 +51,10 @@ pub struct ChatRequest {
     /// Assistant prefill: `add_generation_prompt` (default true) and `continue_final_message`.
     pub add_generation_prompt: bool,
     pub continue_final_message: bool,
+    /// The grammar the answer must follow (`response_format`, `structured_outputs`, `guided_*`).
+    pub structured: Option<Structured>,
+    /// `parallel_tool_calls` (default true): false allows at most one call.
+    pub parallel_tool_calls: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -63,6 +69,7 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     pub echo: bool,
     pub logprobs: Option<usize>,
+    pub structured: Option<Structured>,
 }
 
 // ---- vLLM request extras (see extras.rs) ----
@@ -348,21 +355,15 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
             ));
         }
     }
-    match f.get("response_format").map(|r| r.get("type").and_then(Value::as_str)) {
-        None | Some(Some("text")) => {}
-        Some(Some(t)) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!("`response_format` type `{t}` is not supported (only `text`)"),
-            ));
-        }
-        Some(None) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "`response_format` must be an object with a `type`",
-            ));
-        }
+    let structured = structured::request_constraint(body)?;
+    if structured.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        let field = structured.as_ref().map_or("", |s| s.field.as_str()).to_string();
+        return Err(ApiError::invalid(
+            field.clone(),
+            format!("`{field}` cannot be combined with a `tool_choice` that forces a tool call"),
+        ));
     }
+    let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let logprobs = match (f.bool("logprobs")?.unwrap_or(false), f.int("top_logprobs")?) {
         (_, Some(n)) if n < 0 || n as usize > MAX_TOP_LOGPROBS => {
             return Err(ApiError::invalid(
@@ -385,6 +386,8 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
         logprobs,
         add_generation_prompt,
         continue_final_message,
+        structured,
+        parallel_tool_calls,
     })
 }
 
@@ -671,11 +674,13 @@ pub fn completion_request(body: &Map<String, Value>, defaults: &SamplingParams) 
             "`thinking_token_budget` applies to chat requests only (completions have no reasoning block)",
         ));
     }
+    let structured = structured::request_constraint(body)?;
     Ok(CompletionRequest {
         common,
         prompt,
         echo,
         logprobs,
+        structured,
     })
 }
 

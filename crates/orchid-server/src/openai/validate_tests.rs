@@ -99,7 +99,8 @@ fn invalid_values_name_the_field() {
     assert_eq!(param_of(with("top_logprobs", json!(2))), "top_logprobs");
     assert_eq!(param_of(with("logit_bias", json!({"a": 5}))), "logit_bias.a");
     assert_eq!(param_of(with("use_beam_search", json!(true))), "use_beam_search");
-    assert_eq!(param_of(with("response_format", json!({"type": "json_object"}))), "response_format");
+    assert_eq!(param_of(with("response_format", json!({"type": "yaml"}))), "response_format.type");
+    assert_eq!(param_of(with("guided_choice", json!([]))), "guided_choice");
     assert_eq!(param_of(with("reasoning_effort", json!("max"))), "reasoning_effort");
     assert_eq!(param_of(with("chat_template_kwargs", json!([]))), "chat_template_kwargs");
     assert_eq!(param_of(with("tools", json!({}))), "tools");
