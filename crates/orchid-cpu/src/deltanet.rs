@@ -94,12 +94,13 @@ fn chunked(s: &mut [f32], h: &HeadInputs, dk: usize, dv: usize, out: &mut [f32])
         let v = &h.v[c0 * dv..(c0 + l) * dv];
         let beta = &h.beta[c0..c0 + l];
         // γ_i = Σ_{m≤i} g_m
-        let mut gamma = vec![0f32; l];
-        let mut acc = 0f32;
-        for i in 0..l {
-            acc += h.g[c0 + i];
-            gamma[i] = acc;
-        }
+        let gamma: Vec<f32> = h.g[c0..c0 + l]
+            .iter()
+            .scan(0f32, |acc, &g| {
+                *acc += g;
+                Some(*acc)
+            })
+            .collect();
         let kk = |i: usize, j: usize| dot(&k[i * dk..(i + 1) * dk], &k[j * dk..(j + 1) * dk]);
         // A[i][j] = β_i (k_i·k_j) e^{γ_i−γ_j}, j < i
         let mut a = vec![0f32; l * l];
@@ -201,17 +202,13 @@ pub fn deltanet(a: GdnArgs<'_>, dims: &DeltaNetDims, eps: f32, layer: usize, bat
             .collect();
         // Recurrence per head (each head owns its slice of the state).
         let mut core = vec![0f32; hv * t * dv]; // [Hv, T, dv]
-        st.recurrent
-            .par_chunks_mut(dk * dv)
-            .zip(core.par_chunks_mut(t * dv))
-            .zip(heads.par_iter())
-            .for_each(|((s, o), h)| {
-                if t == 1 {
-                    recurrent_step(s, &h.q, &h.k, &h.v, h.beta[0], h.g[0], o);
-                } else {
-                    chunked(s, h, dk, dv, o);
-                }
-            });
+        st.recurrent.par_chunks_mut(dk * dv).zip(core.par_chunks_mut(t * dv)).zip(heads.par_iter()).for_each(|((s, o), h)| {
+            if t == 1 {
+                recurrent_step(s, &h.q, &h.k, &h.v, h.beta[0], h.g[0], o);
+            } else {
+                chunked(s, h, dk, dv, o);
+            }
+        });
         // Gated RMSNorm per (token, head): w · norm(o) · silu(z).
         for ti in 0..t {
             let orow = out.row_mut(off + ti);

@@ -6,10 +6,10 @@ use orchid_model::linear::LinearWeight;
 use orchid_model::weights::HostMlp;
 use rayon::prelude::*;
 
+use crate::CpuBackend;
 use crate::elementwise::{sigmoid, silu_mul};
 use crate::matmul::matmul;
 use crate::simd::axpy;
-use crate::CpuBackend;
 use crate::tensor::CpuTensor;
 use orchid_model::backend::Mlp;
 
@@ -43,8 +43,7 @@ pub fn moe(
 ) -> CpuTensor {
     let (t, h) = (x.rows, x.cols);
     let logits = matmul(x, router);
-    let routes: Vec<Vec<(usize, f32)>> =
-        (0..t).map(|i| route(logits.row(i), dims.top_k, dims.norm_topk_prob)).collect();
+    let routes: Vec<Vec<(usize, f32)>> = (0..t).map(|i| route(logits.row(i), dims.top_k, dims.norm_topk_prob)).collect();
     // Tokens (and weights) per expert.
     let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
     for (ti, r) in routes.iter().enumerate() {

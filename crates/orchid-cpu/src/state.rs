@@ -74,7 +74,8 @@ impl StatePool for CpuState {
     }
 
     fn save(&mut self, slot: usize, len: usize) -> Result<CpuSnapshot> {
-        let s = self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        let s =
+            self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
         if let Some(c) = s.kv.iter().find(|c| c.len != len) {
             return Err(Error::Backend(format!("snapshot of {len} tokens asked for, the cache holds {}", c.len)));
         }
@@ -82,7 +83,11 @@ impl StatePool for CpuState {
     }
 
     fn restore(&mut self, slot: usize, snap: &CpuSnapshot) -> Result<()> {
-        let s = self.slots.get_mut(slot).and_then(Option::as_mut).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        let s = self
+            .slots
+            .get_mut(slot)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
         s.clone_from(&snap.state);
         debug_assert!(s.kv.iter().all(|c| c.len == snap.len));
         Ok(())
@@ -100,9 +105,7 @@ impl StatePool for CpuState {
         let i = self.slots.iter().position(Option::is_none)?;
         self.slots[i] = Some(SeqState {
             kv: (0..self.n_attn).map(|_| KvCache::default()).collect(),
-            gdn: (0..self.n_gdn)
-                .map(|_| GdnState { conv: vec![0.0; self.conv_len], recurrent: vec![0.0; self.rec_len] })
-                .collect(),
+            gdn: (0..self.n_gdn).map(|_| GdnState { conv: vec![0.0; self.conv_len], recurrent: vec![0.0; self.rec_len] }).collect(),
         });
         Some(i)
     }
@@ -123,10 +126,6 @@ impl StatePool for CpuState {
 
     fn bytes_in_use(&self) -> usize {
         let fixed = self.n_gdn * (self.conv_len + self.rec_len) * 4;
-        self.slots
-            .iter()
-            .flatten()
-            .map(|s| fixed + s.kv.iter().map(|c| c.len * self.kv_width * 2 * 4).sum::<usize>())
-            .sum()
+        self.slots.iter().flatten().map(|s| fixed + s.kv.iter().map(|c| c.len * self.kv_width * 2 * 4).sum::<usize>()).sum()
     }
 }

@@ -61,23 +61,51 @@ impl Backend for Bf16Cpu {
     fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
         self.0.to_host(x)
     }
-    fn attention(&self, i: AttentionInputs<'_, Self>, d: &AttentionDims, eps: f32, l: usize, b: &BatchLayout, s: &mut CpuState) -> Result<CpuTensor> {
+    fn attention(
+        &self,
+        i: AttentionInputs<'_, Self>,
+        d: &AttentionDims,
+        eps: f32,
+        l: usize,
+        b: &BatchLayout,
+        s: &mut CpuState,
+    ) -> Result<CpuTensor> {
         let (k, v) = (r(i.k), r(i.v));
         let ci = AttentionInputs::<CpuBackend> { q_gate: i.q_gate, k: &k, v: &v, q_norm: i.q_norm, k_norm: i.k_norm };
         self.0.attention(ci, d, eps, l, b, s)
     }
-    fn deltanet(&self, i: DeltaNetInputs<'_, Self>, d: &DeltaNetDims, eps: f32, l: usize, b: &BatchLayout, s: &mut CpuState) -> Result<CpuTensor> {
-        let ci = DeltaNetInputs::<CpuBackend> { qkv: i.qkv, z: i.z, b: i.b, a: i.a, conv: i.conv, a_log: i.a_log, dt_bias: i.dt_bias, norm: i.norm };
+    fn deltanet(
+        &self,
+        i: DeltaNetInputs<'_, Self>,
+        d: &DeltaNetDims,
+        eps: f32,
+        l: usize,
+        b: &BatchLayout,
+        s: &mut CpuState,
+    ) -> Result<CpuTensor> {
+        let ci = DeltaNetInputs::<CpuBackend> {
+            qkv: i.qkv,
+            z: i.z,
+            b: i.b,
+            a: i.a,
+            conv: i.conv,
+            a_log: i.a_log,
+            dt_bias: i.dt_bias,
+            norm: i.norm,
+        };
         self.0.deltanet(ci, d, eps, l, b, s)
     }
     fn moe(&self, x: &CpuTensor, w: &MoeWeights<Self>, d: &MoeDims) -> Result<CpuTensor> {
         let cw = MoeWeights::<CpuBackend> {
             router: w.router.clone(),
             experts: w.experts.clone(),
-            shared: w.shared.as_ref().map(|m| Mlp { gate_proj: m.gate_proj.clone(), up_proj: m.up_proj.clone(), down_proj: m.down_proj.clone() }),
+            shared: w.shared.as_ref().map(|m| Mlp {
+                gate_proj: m.gate_proj.clone(),
+                up_proj: m.up_proj.clone(),
+                down_proj: m.down_proj.clone(),
+            }),
             shared_gate: w.shared_gate.clone(),
         };
         self.0.moe(&r(x), &cw, d)
     }
 }
-

@@ -58,8 +58,19 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         headers: &[],
         source: include_str!("../kernels/gemm.cu"),
         kernels: &[
-            "gemm_q4_n32", "gemm_q4_pair_n32", "gemm_bf16_n32", "gemm_bf16_pair_n32", "gemm_q4_n64", "gemm_q4_n128", "gemm_q4_pair_n64",
-            "gemm_q4_pair_n128", "gemm_bf16_n64", "gemm_bf16_n128", "gemm_bf16_pair_n64", "gemm_bf16_pair_n128", "gemm_xprep",
+            "gemm_q4_n32",
+            "gemm_q4_pair_n32",
+            "gemm_bf16_n32",
+            "gemm_bf16_pair_n32",
+            "gemm_q4_n64",
+            "gemm_q4_n128",
+            "gemm_q4_pair_n64",
+            "gemm_q4_pair_n128",
+            "gemm_bf16_n64",
+            "gemm_bf16_n128",
+            "gemm_bf16_pair_n64",
+            "gemm_bf16_pair_n128",
+            "gemm_xprep",
         ],
     },
     KernelFile {
@@ -68,8 +79,16 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         headers: &[],
         source: include_str!("../kernels/attention.cu"),
         kernels: &[
-            "attn_prep", "attn_combine", "attn_prefill_d32", "attn_decode_d32", "attn_prefill_d64", "attn_decode_d64", "attn_prefill_d128",
-            "attn_decode_d128", "attn_prefill_d256", "attn_decode_d256",
+            "attn_prep",
+            "attn_combine",
+            "attn_prefill_d32",
+            "attn_decode_d32",
+            "attn_prefill_d64",
+            "attn_decode_d64",
+            "attn_prefill_d128",
+            "attn_decode_d128",
+            "attn_prefill_d256",
+            "attn_decode_d256",
         ],
     },
     KernelFile {
@@ -100,7 +119,8 @@ impl KernelFile {
     /// file uses), the headers, the file; `#line` marks keep error positions
     /// in file terms.
     pub fn full_source(&self) -> String {
-        let mut s = format!("#line 1 \"common.cuh\"\n{COMMON}\n// Generated from the Rust definitions (crate::abi).\n#line 1 \"abi.cuh\"\n");
+        let mut s =
+            format!("#line 1 \"common.cuh\"\n{COMMON}\n// Generated from the Rust definitions (crate::abi).\n#line 1 \"abi.cuh\"\n");
         for abi in self.abi {
             s += &abi();
         }
@@ -124,11 +144,7 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 }
 
 fn nvrtc_check(r: nv::nvrtcResult, what: &str) -> Result<()> {
-    if r == nv::nvrtcResult::NVRTC_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Backend(format!("nvrtc: {what}: {r:?}")))
-    }
+    if r == nv::nvrtcResult::NVRTC_SUCCESS { Ok(()) } else { Err(Error::Backend(format!("nvrtc: {what}: {r:?}"))) }
 }
 
 pub fn nvrtc_version() -> Result<(i32, i32)> {
@@ -162,7 +178,8 @@ impl Compiler {
     /// Compiles `file` to a cubin for `target`, or returns the cached cubin.
     pub fn compile(&self, file: &KernelFile, target: &str) -> Result<Vec<u8>> {
         let name = file.name;
-        let mut opts = vec![format!("--gpu-architecture={target}"), "--std=c++17".to_string(), "-default-device".to_string(), "-lineinfo".to_string()];
+        let mut opts =
+            vec![format!("--gpu-architecture={target}"), "--std=c++17".to_string(), "-default-device".to_string(), "-lineinfo".to_string()];
         for i in &self.includes {
             opts.push(format!("--include-path={}", i.display()));
         }
@@ -211,7 +228,10 @@ fn compile_uncached(name: &str, full: &str, opts: &[String]) -> Result<Vec<u8>> 
     // SAFETY: every pointer refers to a live CString; the program is destroyed on every path.
     unsafe {
         let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
-        nvrtc_check(nv::nvrtcCreateProgram(&mut prog, csrc.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()), "nvrtcCreateProgram")?;
+        nvrtc_check(
+            nv::nvrtcCreateProgram(&mut prog, csrc.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()),
+            "nvrtcCreateProgram",
+        )?;
         let r = nv::nvrtcCompileProgram(prog, optp.len() as i32, optp.as_ptr());
         let mut log_size = 0usize;
         nv::nvrtcGetProgramLogSize(prog, &mut log_size);

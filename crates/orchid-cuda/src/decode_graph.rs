@@ -12,18 +12,18 @@
 
 use std::sync::Arc;
 
+use orchid_model::Model;
 use orchid_model::error::{Error, Result};
 use orchid_model::model::{Ffn, Mixer};
-use orchid_model::Model;
 
+use crate::CudaBackend;
 use crate::driver::{DevBuf, Graph};
 use crate::ops::elementwise::embed;
-use crate::ops::gemv::{gemv, RouteEpi, ROUTER_KPARTS};
-use crate::ops::moe_decode::{can_fuse_route, moe_down, moe_route_up, moe_up, FusedRoute, MoeDecode};
-use crate::ops::{attention as at, deltanet as dn, sampling as sp, Ctx};
+use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
+use crate::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_route_up, moe_up};
+use crate::ops::{Ctx, attention as at, deltanet as dn, sampling as sp};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::weights::GpuLinear;
-use crate::CudaBackend;
 
 pub struct DecodeGraph {
     ctx: Arc<Ctx>,
@@ -94,7 +94,13 @@ impl DecodeGraph {
         crate::driver::profile_summary(&self.prof)
     }
 
-    fn build(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, params: sp::SampleParams, profile: bool) -> Result<DecodeGraph> {
+    fn build(
+        model: &Model<CudaBackend>,
+        state: &mut CudaState,
+        slot: usize,
+        params: sp::SampleParams,
+        profile: bool,
+    ) -> Result<DecodeGraph> {
         let b = &model.backend;
         let ctx = b.ctx.clone();
         let gpu = ctx.gpu.clone();
@@ -171,7 +177,13 @@ impl DecodeGraph {
     }
 
     #[allow(clippy::type_complexity)]
-    fn capture(&mut self, model: &Model<CudaBackend>, state: &CudaState, profile: bool, pdl: bool) -> Result<(Graph, usize, Vec<(&'static str, crate::driver::Event)>)> {
+    fn capture(
+        &mut self,
+        model: &Model<CudaBackend>,
+        state: &CudaState,
+        profile: bool,
+        pdl: bool,
+    ) -> Result<(Graph, usize, Vec<(&'static str, crate::driver::Event)>)> {
         let gpu = self.ctx.gpu.clone();
         let mut launches = 0;
         let mut prof = Vec::new();
@@ -297,7 +309,7 @@ impl DecodeGraph {
                         scale_log2: std::f32::consts::LOG2_E / (dh as f32).sqrt(),
                         ..Default::default()
                     };
-                    at::decode(c, &aa, dh, &pa)?;  // q/k norm, RoPE and the cache append folded in
+                    at::decode(c, &aa, dh, &pa)?; // q/k norm, RoPE and the cache append folded in
                     n += 2;
                     n += gemv_groups(c, &[(&al.o_proj, 0)], self.y.ptr, None, self.x.ptr, 0, true)?;
                 }
@@ -344,17 +356,50 @@ impl DecodeGraph {
                     } else {
                         match shared {
                             Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
-                                gemv(c, &[(&w.router, 0), (sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(Some(e))))?;
+                                gemv(
+                                    c,
+                                    &[(&w.router, 0), (sg, e)],
+                                    self.x.ptr,
+                                    0,
+                                    1,
+                                    Some(norm_post),
+                                    self.router_logits.ptr,
+                                    e + 1,
+                                    false,
+                                    Some(route(Some(e))),
+                                )?;
                                 n += 1;
                             }
                             Some((_, sg)) => {
                                 gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
                                 // The partials cover the router rows only; the shared-gate logit is already in place.
-                                gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
+                                gemv(
+                                    c,
+                                    &[(&w.router, 0)],
+                                    self.x.ptr,
+                                    0,
+                                    1,
+                                    Some(norm_post),
+                                    self.router_logits.ptr,
+                                    e + 1,
+                                    false,
+                                    Some(RouteEpi { partial: 0, ..route(Some(e)) }),
+                                )?;
                                 n += 2;
                             }
                             None => {
-                                gemv(c, &[(&w.router, 0)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, Some(route(None)))?;
+                                gemv(
+                                    c,
+                                    &[(&w.router, 0)],
+                                    self.x.ptr,
+                                    0,
+                                    1,
+                                    Some(norm_post),
+                                    self.router_logits.ptr,
+                                    e + 1,
+                                    false,
+                                    Some(route(None)),
+                                )?;
                                 n += 1;
                             }
                         }
@@ -455,7 +500,10 @@ impl DecodeGraph {
         {
             let s = state.slot_mut(self.slot)?;
             if s.attn_len.iter().any(|&l| l != self.pos_host) {
-                return Err(Error::Op { op: "decode", msg: format!("the cache holds {:?} tokens, the step is at position {}", s.attn_len, self.pos_host) });
+                return Err(Error::Op {
+                    op: "decode",
+                    msg: format!("the cache holds {:?} tokens, the step is at position {}", s.attn_len, self.pos_host),
+                });
             }
             s.attn_len.iter_mut().for_each(|l| *l += 1);
         }

@@ -5,8 +5,8 @@
 //! Every call checks its return code; a missing library or device is an error, never a panic.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::sys;
 use orchid_model::error::{Error, Result};
@@ -80,7 +80,9 @@ pub fn probe(opts: &CudaOptions) -> std::result::Result<(), String> {
     preload_nvrtc(&opts.cuda_roots);
     // SAFETY: probing only opens the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err("NVRTC (libnvrtc.so) was not found: set LD_LIBRARY_PATH to the CUDA toolkit's lib64 (e.g. /usr/local/cuda/lib64)".into());
+        return Err(
+            "NVRTC (libnvrtc.so) was not found: set LD_LIBRARY_PATH to the CUDA toolkit's lib64 (e.g. /usr/local/cuda/lib64)".into()
+        );
     }
     Ok(())
 }
@@ -148,13 +150,31 @@ impl Gpu {
             check(sys::cuDeviceGetDefaultMemPool(&mut pool, dev), "cuDeviceGetDefaultMemPool")?;
             let mut thr: u64 = u64::MAX;
             check(
-                sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut thr as *mut u64 as *mut c_void),
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut thr as *mut u64 as *mut c_void,
+                ),
                 "cuMemPoolSetAttribute",
             )?;
             if cc.0 < 8 {
-                return Err(Error::Backend(format!("{name} has compute capability {}.{}; orchid needs 8.0 or newer (bf16 tensor cores)", cc.0, cc.1)));
+                return Err(Error::Backend(format!(
+                    "{name} has compute capability {}.{}; orchid needs 8.0 or newer (bf16 tensor cores)",
+                    cc.0, cc.1
+                )));
             }
-            Ok(Arc::new(Gpu { ctx, dev, stream, name, cc, sms, total_mem, max_smem_optin, mem: MemStats::default(), sync_check: opts.sync_check }))
+            Ok(Arc::new(Gpu {
+                ctx,
+                dev,
+                stream,
+                name,
+                cc,
+                sms,
+                total_mem,
+                max_smem_optin,
+                mem: MemStats::default(),
+                sync_check: opts.sync_check,
+            }))
         }
     }
 
@@ -250,7 +270,10 @@ impl DevBuf {
         assert!(off + out.len() <= self.bytes, "download out of range");
         // SAFETY: range checked; the stream is synchronised before `out` is used.
         unsafe {
-            check(sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, self.ptr + off as u64, out.len(), self.gpu.stream), "cuMemcpyDtoHAsync")?;
+            check(
+                sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, self.ptr + off as u64, out.len(), self.gpu.stream),
+                "cuMemcpyDtoHAsync",
+            )?;
         }
         self.gpu.synchronize()
     }
@@ -384,7 +407,21 @@ impl Kernel {
         } else {
             // SAFETY: the function handle is live; params point at values that outlive the call
             // (the driver copies them at launch).
-            unsafe { sys::cuLaunchKernel(self.f, grid.0, grid.1, grid.2, block, 1, 1, smem, gpu.stream, params.as_mut_ptr(), std::ptr::null_mut()) }
+            unsafe {
+                sys::cuLaunchKernel(
+                    self.f,
+                    grid.0,
+                    grid.1,
+                    grid.2,
+                    block,
+                    1,
+                    1,
+                    smem,
+                    gpu.stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
         };
         check(r, self.name)?;
         let prof = PROFILE.with(|p| p.borrow().is_some());
@@ -392,7 +429,12 @@ impl Kernel {
             let ev = Event::new()?;
             if CAPTURING.with(|c| c.get()) {
                 // SAFETY: live event and capturing stream; an external record becomes a graph node.
-                check(unsafe { sys::cuEventRecordWithFlags(ev.ev, gpu.stream, sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32) }, "cuEventRecordWithFlags")?;
+                check(
+                    unsafe {
+                        sys::cuEventRecordWithFlags(ev.ev, gpu.stream, sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32)
+                    },
+                    "cuEventRecordWithFlags",
+                )?;
             } else {
                 ev.record(gpu)?;
             }
@@ -432,7 +474,11 @@ pub fn load_module(gpu: &Gpu, image: &[u8], names: &[&'static str]) -> Result<Ve
                 let mut stat = 0;
                 check(sys::cuFuncGetAttribute(&mut stat, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f), n)?;
                 check(
-                    sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gpu.max_smem_optin - stat),
+                    sys::cuFuncSetAttribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        gpu.max_smem_optin - stat,
+                    ),
                     n,
                 )?;
                 Ok(Kernel { f, name: n })
@@ -498,7 +544,10 @@ impl Graph {
     pub fn capture(gpu: &Gpu, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
         // SAFETY: live stream; capture is ended on every path.
         unsafe {
-            check(sys::cuStreamBeginCapture_v2(gpu.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+            check(
+                sys::cuStreamBeginCapture_v2(gpu.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                "cuStreamBeginCapture",
+            )?;
             CAPTURING.with(|c| c.set(true));
             let r = f();
             CAPTURING.with(|c| c.set(false));

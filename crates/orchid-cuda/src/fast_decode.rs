@@ -20,14 +20,14 @@
 
 use std::collections::HashMap;
 
+use orchid_model::Model;
 use orchid_model::error::{Error, Result};
 use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode};
-use orchid_model::Model;
 
+use crate::CudaBackend;
 use crate::decode_graph::DecodeGraph;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
-use crate::CudaBackend;
 
 struct Cached {
     graph: DecodeGraph,
@@ -102,7 +102,10 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<u32> {
         let p = sample_params(&step.sampling);
         let key = (step.slot, p.is_greedy());
-        let c = self.graphs.get_mut(&key).ok_or_else(|| Error::Op { op: "decode", msg: format!("no decode graph for slot {} (prepare first)", step.slot) })?;
+        let c = self
+            .graphs
+            .get_mut(&key)
+            .ok_or_else(|| Error::Op { op: "decode", msg: format!("no decode graph for slot {} (prepare first)", step.slot) })?;
         if c.params != p {
             return Err(Error::Op { op: "decode", msg: "the sampling parameters changed since prepare".into() });
         }

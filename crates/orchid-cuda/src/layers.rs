@@ -7,9 +7,9 @@ use orchid_model::batch::BatchLayout;
 use orchid_model::config::{AttentionDims, DeltaNetDims, MoeDims};
 use orchid_model::error::{Error, Result};
 
-use crate::driver::{copy_d2d, DevBuf};
+use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::silu_mul;
-use crate::ops::gemm::{gemm, gemm_bn, gemm_x, matmul, matmul_x, Grouped};
+use crate::ops::gemm::{Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::{CudaBackend, CudaTensor};
@@ -31,7 +31,10 @@ pub fn attention(
     let ldq = hq * qstride;
     let t_all = inp.q_gate.rows;
     if inp.q_gate.cols != ldq || inp.k.cols != hkv * d || inp.v.cols != hkv * d {
-        return Err(Error::Op { op: "attention", msg: format!("q_gate {} / k {} / v {} columns", inp.q_gate.cols, inp.k.cols, inp.v.cols) });
+        return Err(Error::Op {
+            op: "attention",
+            msg: format!("q_gate {} / k {} / v {} columns", inp.q_gate.cols, inp.k.cols, inp.v.cols),
+        });
     }
     let out = b.tensor(t_all, hq * d)?;
     let q_bf = DevBuf::alloc(b.gpu(), t_all * hq * d * 2)?;
@@ -69,7 +72,7 @@ pub fn attention(
             ..Default::default()
         };
         if span.len > 1 {
-            at::prep(c, &p)?;  // one token: folded into the decode kernel below
+            at::prep(c, &p)?; // one token: folded into the decode kernel below
         }
         let mut a = at::AttnArgs {
             q: p.q_out,
@@ -280,11 +283,32 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     let num_tiles = DevBuf::alloc(gpu, 4)?;
     mo::scan(
         c,
-        &mo::ScanArgs { counts: counts.ptr, offsets: offsets.ptr, cursor: cursor.ptr, tiles: tiles.ptr, num_tiles: num_tiles.ptr, e: e as i32, bn: bn as i32, ..Default::default() },
+        &mo::ScanArgs {
+            counts: counts.ptr,
+            offsets: offsets.ptr,
+            cursor: cursor.ptr,
+            tiles: tiles.ptr,
+            num_tiles: num_tiles.ptr,
+            e: e as i32,
+            bn: bn as i32,
+            ..Default::default()
+        },
     )?;
     let assign_tok = DevBuf::alloc(gpu, t * k * 4)?;
     let slot_pos = DevBuf::alloc(gpu, t * k * 4)?;
-    mo::scatter(c, &mo::ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok: assign_tok.ptr, slot_pos: slot_pos.ptr, t: t as i32, topk: k as i32, ..Default::default() }, e)?;
+    mo::scatter(
+        c,
+        &mo::ScatterArgs {
+            ids: ids.ptr,
+            cursor: cursor.ptr,
+            assign_tok: assign_tok.ptr,
+            slot_pos: slot_pos.ptr,
+            t: t as i32,
+            topk: k as i32,
+            ..Default::default()
+        },
+        e,
+    )?;
     let inter = w.experts.gate.rows;
     let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };

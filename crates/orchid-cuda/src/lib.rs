@@ -40,8 +40,8 @@ use orchid_model::weights::HostMlp;
 pub use decode_graph::DecodeGraph;
 pub use driver::{available, probe};
 pub use fast_decode::GraphFastDecode;
-pub use options::{CudaOptions, Tuning};
 pub use ops::sampling::SampleParams;
+pub use options::{CudaOptions, Tuning};
 pub use state::CudaState;
 pub use weights::{GpuExperts, GpuLinear, GpuVec};
 
@@ -291,7 +291,11 @@ pub fn sample(b: &CudaBackend, logits: &CudaTensor, params: SampleParams, step: 
         vocab: logits.cols as i32,
         nblocks: ops::sampling::ARGMAX_BLOCKS as i32,
     };
-    if params.is_greedy() { ops::sampling::argmax(&b.ctx, &a)? } else { ops::sampling::general(&b.ctx, &a)? }
+    if params.is_greedy() {
+        ops::sampling::argmax(&b.ctx, &a)?
+    } else {
+        ops::sampling::general(&b.ctx, &a)?
+    }
     let mut t = [0i32];
     token.download(0, bytemuck::cast_slice_mut(&mut t))?;
     Ok(t[0] as u32)

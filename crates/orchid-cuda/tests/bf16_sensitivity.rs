@@ -7,9 +7,9 @@ mod common;
 
 use common::*;
 use orchid_cpu::CpuBackend;
+use orchid_model::Model;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows};
-use orchid_model::Model;
 
 fn logits<B: Backend>(m: &Model<B>, ids: &[u32]) -> Vec<f32> {
     let mut st = m.new_state(StateOptions { max_seqs: 1, max_context: ids.len() + 1 }).unwrap();

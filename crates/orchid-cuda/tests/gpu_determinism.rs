@@ -8,9 +8,9 @@ mod common;
 
 use common::*;
 use orchid_cuda::{CudaBackend, DecodeGraph, SampleParams};
+use orchid_model::Model;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows};
-use orchid_model::Model;
 
 struct Run {
     prefill: Vec<f32>,

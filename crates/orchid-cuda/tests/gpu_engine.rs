@@ -41,10 +41,10 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use orchid_cuda::{CudaBackend, DecodeGraph, GraphFastDecode, SampleParams};
+use orchid_engine::Tokenizer;
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
 use orchid_engine::sampling::SamplingParams;
-use orchid_engine::Tokenizer;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows};
 use orchid_model::config::ModelConfig;
@@ -74,7 +74,15 @@ fn tokenizer() -> Arc<Tokenizer> {
 }
 
 fn start(g: &CudaBackend, tok: &Arc<Tokenizer>, case: &Case, fast: bool) -> EngineHandle {
-    let opts = EngineOptions { max_seqs: 4, max_context: MAX_CONTEXT, prefill_chunk: CHUNK, max_queue: 16, fast_decode: fast, prefix_cache: false, prefix_cache_bytes: None };
+    let opts = EngineOptions {
+        max_seqs: 4,
+        max_context: MAX_CONTEXT,
+        prefill_chunk: CHUNK,
+        max_queue: 16,
+        fast_decode: fast,
+        prefix_cache: false,
+        prefix_cache_bytes: None,
+    };
     let (g, cfg, fmt, seed) = (g.clone(), case.cfg.clone(), case.fmt, case.seed);
     let e = spawn_with(opts, tok.clone(), move || {
         let host = random_weights(&cfg, fmt, seed);
@@ -187,7 +195,18 @@ impl Prompts {
     fn new(valid: usize) -> Prompts {
         let mut rng = Rng::new(77);
         let mut p = |n: usize| (0..n).map(|_| rng.below(valid) as u32).collect::<Vec<u32>>();
-        Prompts { p1: p(1), p7: p(7), p64: p(64), p130: p(130), long: p(MAX_CONTEXT - 20), a: p(30), b: p(50), c: p(20), d: p(90), cancel: p(25) }
+        Prompts {
+            p1: p(1),
+            p7: p(7),
+            p64: p(64),
+            p130: p(130),
+            long: p(MAX_CONTEXT - 20),
+            a: p(30),
+            b: p(50),
+            c: p(20),
+            d: p(90),
+            cancel: p(25),
+        }
     }
 }
 
@@ -333,14 +352,22 @@ fn compare(g: &CudaBackend, case: &Case, on: &Run, off: &Run, valid: usize) -> b
         return ok;
     }
     let Some(i) = (0..a.len().min(b.len())).find(|&i| a[i] != b[i]) else {
-        println!("PARITY FAIL {name}: one stream is a prefix of the other ({} vs {} tokens, finish {:?} vs {:?})", a.len(), b.len(), on.out.finish, off.out.finish);
+        println!(
+            "PARITY FAIL {name}: one stream is a prefix of the other ({} vs {} tokens, finish {:?} vs {:?})",
+            a.len(),
+            b.len(),
+            on.out.finish,
+            off.out.finish
+        );
         return false;
     };
     let (t_on, t_off) = (a[i], b[i]);
     let (l_op, l_graph, graph_tok) = replay(g, case, &on.prompt, &a[..i], valid);
     let l_op = &l_op[..valid];
     let max_abs = l_op.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
-    let rms = l_graph.as_ref().map_or(0.0, |lg| (lg[..valid].iter().zip(l_op).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / valid as f64).sqrt());
+    let rms = l_graph
+        .as_ref()
+        .map_or(0.0, |lg| (lg[..valid].iter().zip(l_op).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / valid as f64).sqrt());
     let tol = 10.0 * rms + 1e-4 * max_abs;
     let top = l_op[argmax(l_op)] as f64;
     let (m_on, m_off) = (top - l_op[t_on as usize] as f64, top - l_op[t_off as usize] as f64);
@@ -366,7 +393,13 @@ fn compare(g: &CudaBackend, case: &Case, on: &Run, off: &Run, valid: usize) -> b
         a.len(),
         m_on_graph.map_or(String::new(), |m| format!(
             " (the fast token below the graph replay's top by {m:.3e}{})",
-            if own { ", accepted: not alone" } else if flip { ", accepted: not alone, routed, within 5 % of max|logit|" } else { "" }
+            if own {
+                ", accepted: not alone"
+            } else if flip {
+                ", accepted: not alone, routed, within 5 % of max|logit|"
+            } else {
+                ""
+            }
         )),
     );
     if on.alone {
@@ -419,11 +452,20 @@ fn fast_only_checks(e: &EngineHandle, case: &Case, p: &Prompts, on: &[Run], off:
     ok &= check(
         name("logprobs request"),
         fast == 0 && o.with_logprob == o.tokens.len() && o.tokens == base_off.out.tokens,
-        format!("{fast} fast steps, {}/{} tokens with a logprob, tokens equal to the generic engine's: {}", o.with_logprob, o.tokens.len(), o.tokens == base_off.out.tokens),
+        format!(
+            "{fast} fast steps, {}/{} tokens with a logprob, tokens equal to the generic engine's: {}",
+            o.with_logprob,
+            o.tokens.len(),
+            o.tokens == base_off.out.tokens
+        ),
     );
     let (o, fast) = solo(e, request(&p.p130, 24, SamplingParams { repetition_penalty: 1.3, ..Default::default() }));
     o.assert_ok("repetition-penalty request");
-    ok &= check(name("repetition-penalty request"), fast == 0 && o.tokens.len() == 24, format!("{fast} fast steps, {} tokens", o.tokens.len()));
+    ok &= check(
+        name("repetition-penalty request"),
+        fast == 0 && o.tokens.len() == 24,
+        format!("{fast} fast steps, {} tokens", o.tokens.len()),
+    );
 
     // A stop token id on the fast path: the stream ends at its first occurrence.
     let k = (1..full.tokens.len()).find(|&k| !full.tokens[..k].contains(&full.tokens[k])).unwrap_or(0);
@@ -447,7 +489,10 @@ fn fast_only_checks(e: &EngineHandle, case: &Case, p: &Prompts, on: &[Run], off:
             o.assert_ok("stop-string request");
             ok &= check(
                 name("stop string on the fast path (greedy)"),
-                o.text == full.text[..at] && o.finish == Some(FinishReason::Stop) && full.tokens.starts_with(&o.tokens) && !o.tokens.is_empty(),
+                o.text == full.text[..at]
+                    && o.finish == Some(FinishReason::Stop)
+                    && full.tokens.starts_with(&o.tokens)
+                    && !o.tokens.is_empty(),
                 format!("stop {stop:?} at byte {at}: {} tokens, finish {:?}, text {:?}", o.tokens.len(), o.finish, o.text),
             );
         }
@@ -463,8 +508,19 @@ fn fast_only_checks(e: &EngineHandle, case: &Case, p: &Prompts, on: &[Run], off:
     s1b.assert_ok("sampled request, again");
     ok &= check(
         name("seeded sampling (t 0.8, top-k 40, top-p 0.95, min-p 0.02) reproducible, max_tokens"),
-        s1.tokens == s1b.tokens && s1.tokens.len() == 48 && s1.finish == Some(FinishReason::Length) && f1 == 47 && f1b == 47 && s1.tokens.iter().all(|&t| (t as usize) < valid),
-        format!("{} / {} tokens, finish {:?}, fast steps {f1} / {f1b}, identical: {}", s1.tokens.len(), s1b.tokens.len(), s1.finish, s1.tokens == s1b.tokens),
+        s1.tokens == s1b.tokens
+            && s1.tokens.len() == 48
+            && s1.finish == Some(FinishReason::Length)
+            && f1 == 47
+            && f1b == 47
+            && s1.tokens.iter().all(|&t| (t as usize) < valid),
+        format!(
+            "{} / {} tokens, finish {:?}, fast steps {f1} / {f1b}, identical: {}",
+            s1.tokens.len(),
+            s1b.tokens.len(),
+            s1.finish,
+            s1.tokens == s1b.tokens
+        ),
     );
     match pick_stop(&s1.text) {
         Some((stop, at)) => {
@@ -474,11 +530,18 @@ fn fast_only_checks(e: &EngineHandle, case: &Case, p: &Prompts, on: &[Run], off:
             o.assert_ok("sampled stop-string request");
             ok &= check(
                 name("seeded sampling with a stop string"),
-                o.text == s1.text[..at] && o.finish == Some(FinishReason::Stop) && s1.tokens.starts_with(&o.tokens) && !o.tokens.is_empty() && o.tokens.len() <= 48,
+                o.text == s1.text[..at]
+                    && o.finish == Some(FinishReason::Stop)
+                    && s1.tokens.starts_with(&o.tokens)
+                    && !o.tokens.is_empty()
+                    && o.tokens.len() <= 48,
                 format!("stop {stop:?} at byte {at}: {} tokens, finish {:?}", o.tokens.len(), o.finish),
             );
         }
-        None => ok &= check(name("seeded sampling with a stop string"), false, format!("no stop string found in the sampled text {:?}", s1.text)),
+        None => {
+            ok &=
+                check(name("seeded sampling with a stop string"), false, format!("no stop string found in the sampled text {:?}", s1.text))
+        }
     }
     // Other parameters on the cached sampled graph (set_params), a hot temperature.
     let (s3, f3) = solo(e, request(&p.p130, 32, sp(1.5, 0, 1.0, 0.0, Some(7))));
@@ -494,11 +557,19 @@ fn fast_only_checks(e: &EngineHandle, case: &Case, p: &Prompts, on: &[Run], off:
     // top_k = 1 is greedy whatever the temperature.
     let (s5, f5) = solo(e, request(&p.p130, 40, sp(0.9, 1, 1.0, 0.0, Some(3))));
     s5.assert_ok("top-k 1 request");
-    ok &= check(name("top_k 1 = greedy"), s5.tokens == full.tokens && f5 == 39, format!("{} tokens, {f5} fast steps, equal to greedy: {}", s5.tokens.len(), s5.tokens == full.tokens));
+    ok &= check(
+        name("top_k 1 = greedy"),
+        s5.tokens == full.tokens && f5 == 39,
+        format!("{} tokens, {f5} fast steps, equal to greedy: {}", s5.tokens.len(), s5.tokens == full.tokens),
+    );
     // And greedy again after the sampled graph was used in the same slot.
     let (o, f) = solo(e, greedy(&p.p130, 40));
     o.assert_ok("greedy after sampling");
-    ok &= check(name("greedy after sampled requests"), o.tokens == full.tokens && f == 39, format!("{} tokens, {f} fast steps", o.tokens.len()));
+    ok &= check(
+        name("greedy after sampled requests"),
+        o.tokens == full.tokens && f == 39,
+        format!("{} tokens, {f} fast steps", o.tokens.len()),
+    );
     ok
 }
 

@@ -22,10 +22,10 @@ mod common;
 use common::*;
 use orchid_cpu::CpuBackend;
 use orchid_cuda::{CudaBackend, DecodeGraph, SampleParams};
+use orchid_model::Model;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
 use orchid_model::config::ModelConfig;
-use orchid_model::Model;
 
 fn margin_agreement(gpu: &[f32], cpu: &[f32], vocab: usize, rms: f64) -> (usize, usize) {
     let (mut checked, mut agree) = (0, 0);

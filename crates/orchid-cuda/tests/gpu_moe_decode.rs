@@ -11,10 +11,10 @@ mod common;
 
 use common::*;
 use orchid_cpu::{CpuBackend, CpuTensor};
-use orchid_cuda::driver::DevBuf;
-use orchid_cuda::ops::gemv::{gemv, RouteEpi, ROUTER_KPARTS};
-use orchid_cuda::ops::moe_decode::{can_fuse_route, moe_down, moe_route_up, moe_up, FusedRoute, MoeDecode};
 use orchid_cuda::CudaBackend;
+use orchid_cuda::driver::DevBuf;
+use orchid_cuda::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
+use orchid_cuda::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_route_up, moe_up};
 use orchid_model::backend::{Backend, Mlp, MoeWeights};
 use orchid_model::weights::HostMlp;
 
@@ -55,7 +55,11 @@ fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usi
     let cw = MoeWeights::<CpuBackend> {
         router: c.upload_linear(&router).unwrap(),
         experts: c.upload_experts(&experts).unwrap(),
-        shared: shared.as_ref().map(|m| Mlp { gate_proj: c.upload_linear(&m.gate_proj).unwrap(), up_proj: c.upload_linear(&m.up_proj).unwrap(), down_proj: c.upload_linear(&m.down_proj).unwrap() }),
+        shared: shared.as_ref().map(|m| Mlp {
+            gate_proj: c.upload_linear(&m.gate_proj).unwrap(),
+            up_proj: c.upload_linear(&m.up_proj).unwrap(),
+            down_proj: c.upload_linear(&m.down_proj).unwrap(),
+        }),
         shared_gate: sgate.as_ref().map(|s| c.upload_linear(s).unwrap()),
     };
     let want = c.to_host(&c.moe(&xn, &cw, md).unwrap()).unwrap();
@@ -87,12 +91,29 @@ fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usi
     };
     let ctx = &*g.ctx;
     let norm = (nwg.buf.ptr, eps);
-    let fr = FusedRoute { router: &rg, shared_gate: gsg.as_ref(), e, renorm: md.norm_topk_prob, partial: partial.ptr, barrier: barrier.ptr, wts: wts.ptr };
+    let fr = FusedRoute {
+        router: &rg,
+        shared_gate: gsg.as_ref(),
+        e,
+        renorm: md.norm_topk_prob,
+        partial: partial.ptr,
+        barrier: barrier.ptr,
+        wts: wts.ptr,
+    };
     if fused {
         assert!(can_fuse_route(ctx, &m, &fr), "the fused router does not take this layer");
         moe_route_up(ctx, &m, xb.ptr, norm, ids.ptr, hbuf.ptr, &fr).unwrap();
     } else {
-        let route = RouteEpi { counter: counter.ptr, ids: ids.ptr, wts: wts.ptr, e, topk: k, renorm: md.norm_topk_prob, shared_col: gsg.as_ref().map(|_| e), partial: partial.ptr };
+        let route = RouteEpi {
+            counter: counter.ptr,
+            ids: ids.ptr,
+            wts: wts.ptr,
+            e,
+            topk: k,
+            renorm: md.norm_topk_prob,
+            shared_col: gsg.as_ref().map(|_| e),
+            partial: partial.ptr,
+        };
         let mut segs = vec![(&rg, 0)];
         if let Some(sg) = &gsg {
             segs.push((sg, e));

@@ -113,7 +113,8 @@ fn attention_prefill_and_decode() {
     let g = gpu();
     let c = CpuBackend::new();
     let mut rng = Rng::new(3);
-    let cases: [(usize, usize, usize, bool); 5] = [(16, 2, 256, true), (6, 1, 64, true), (8, 8, 32, true), (4, 2, 128, false), (3, 3, 64, true)];
+    let cases: [(usize, usize, usize, bool); 5] =
+        [(16, 2, 256, true), (6, 1, 64, true), (8, 8, 32, true), (4, 2, 128, false), (3, 3, 64, true)];
     let schedules: [&[usize]; 5] = [&[1, 1, 1], &[63, 1, 1], &[64, 65], &[127, 1, 2], &[4097, 1]];
     for &(hq, hkv, d, gate) in &cases {
         let (mut cfg, opts) = attn_states(hq, hkv, d);
@@ -134,7 +135,11 @@ fn attention_prefill_and_decode() {
             for &t in sched {
                 let qw = dims.q_proj_rows();
                 let (q, k, v) = (rng.vec(t * qw, 1.0), rng.vec(t * hkv * d, 1.0), rng.vec(t * hkv * d, 1.0));
-                let (cq, ck, cv) = (CpuTensor::from_vec(t, qw, q.clone()), CpuTensor::from_vec(t, hkv * d, k.clone()), CpuTensor::from_vec(t, hkv * d, v.clone()));
+                let (cq, ck, cv) = (
+                    CpuTensor::from_vec(t, qw, q.clone()),
+                    CpuTensor::from_vec(t, hkv * d, k.clone()),
+                    CpuTensor::from_vec(t, hkv * d, v.clone()),
+                );
                 let (gq, gk, gv) = (up(&g, t, qw, &q), up(&g, t, hkv * d, &k), up(&g, t, hkv * d, &v));
                 let ci = AttentionInputs::<CpuBackend> { q_gate: &cq, k: &ck, v: &cv, q_norm: &cqn, k_norm: &ckn };
                 let gi = AttentionInputs::<CudaBackend> { q_gate: &gq, k: &gk, v: &gv, q_norm: &gqn, k_norm: &gkn };
@@ -162,7 +167,12 @@ fn deltanet_chunked_and_decode() {
     let g = gpu();
     let c = CpuBackend::new();
     let mut rng = Rng::new(4);
-    let cases = [GdnCase { hk: 16, hv: 32, dk: 128, dv: 128 }, GdnCase { hk: 3, hv: 6, dk: 32, dv: 48 }, GdnCase { hk: 2, hv: 4, dk: 64, dv: 32 }, GdnCase { hk: 1, hv: 1, dk: 32, dv: 32 }];
+    let cases = [
+        GdnCase { hk: 16, hv: 32, dk: 128, dv: 128 },
+        GdnCase { hk: 3, hv: 6, dk: 32, dv: 48 },
+        GdnCase { hk: 2, hv: 4, dk: 64, dv: 32 },
+        GdnCase { hk: 1, hv: 1, dk: 32, dv: 32 },
+    ];
     let schedules: [&[usize]; 5] = [&[1, 1, 1], &[63, 1, 1], &[64, 65], &[127, 2, 1], &[4097, 1]];
     for cs_ in &cases {
         let cfg = config(64, 64, 1, (2, 1, 64), (cs_.hk, cs_.hv, cs_.dk, cs_.dv), (4, 2, 64, 0), 1000);
@@ -172,8 +182,18 @@ fn deltanet_chunked_and_decode() {
         let a_log: Vec<f32> = (0..hv).map(|_| (1.0 + 7.5 * (rng.next() + 1.0)).ln()).collect();
         let dt = rng.vec(hv, 0.5);
         let nw: Vec<f32> = rng.vec(dv, 0.2).iter().map(|x| 1.0 + x).collect();
-        let cv = [c.upload_vector(&conv).unwrap(), c.upload_vector(&a_log).unwrap(), c.upload_vector(&dt).unwrap(), c.upload_vector(&nw).unwrap()];
-        let gv = [g.upload_vector(&conv).unwrap(), g.upload_vector(&a_log).unwrap(), g.upload_vector(&dt).unwrap(), g.upload_vector(&nw).unwrap()];
+        let cv = [
+            c.upload_vector(&conv).unwrap(),
+            c.upload_vector(&a_log).unwrap(),
+            c.upload_vector(&dt).unwrap(),
+            c.upload_vector(&nw).unwrap(),
+        ];
+        let gv = [
+            g.upload_vector(&conv).unwrap(),
+            g.upload_vector(&a_log).unwrap(),
+            g.upload_vector(&dt).unwrap(),
+            g.upload_vector(&nw).unwrap(),
+        ];
         for sched in schedules {
             let opts = StateOptions { max_seqs: 1, max_context: 8192 };
             let mut cst = c.new_state(&cfg, opts).unwrap();
@@ -182,13 +202,40 @@ fn deltanet_chunked_and_decode() {
             let mut pos = 0;
             for &t in sched {
                 let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * hv * dv, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));
-                let ct = [CpuTensor::from_vec(t, cdim, qkv.clone()), CpuTensor::from_vec(t, hv * dv, z.clone()), CpuTensor::from_vec(t, hv, b.clone()), CpuTensor::from_vec(t, hv, a.clone())];
+                let ct = [
+                    CpuTensor::from_vec(t, cdim, qkv.clone()),
+                    CpuTensor::from_vec(t, hv * dv, z.clone()),
+                    CpuTensor::from_vec(t, hv, b.clone()),
+                    CpuTensor::from_vec(t, hv, a.clone()),
+                ];
                 let gt = [up(&g, t, cdim, &qkv), up(&g, t, hv * dv, &z), up(&g, t, hv, &b), up(&g, t, hv, &a)];
-                let ci = DeltaNetInputs::<CpuBackend> { qkv: &ct[0], z: &ct[1], b: &ct[2], a: &ct[3], conv: &cv[0], a_log: &cv[1], dt_bias: &cv[2], norm: &cv[3] };
-                let gi = DeltaNetInputs::<CudaBackend> { qkv: &gt[0], z: &gt[1], b: &gt[2], a: &gt[3], conv: &gv[0], a_log: &gv[1], dt_bias: &gv[2], norm: &gv[3] };
+                let ci = DeltaNetInputs::<CpuBackend> {
+                    qkv: &ct[0],
+                    z: &ct[1],
+                    b: &ct[2],
+                    a: &ct[3],
+                    conv: &cv[0],
+                    a_log: &cv[1],
+                    dt_bias: &cv[2],
+                    norm: &cv[3],
+                };
+                let gi = DeltaNetInputs::<CudaBackend> {
+                    qkv: &gt[0],
+                    z: &gt[1],
+                    b: &gt[2],
+                    a: &gt[3],
+                    conv: &gv[0],
+                    a_log: &gv[1],
+                    dt_bias: &gv[2],
+                    norm: &gv[3],
+                };
                 let co = c.deltanet(ci, &dims, 1e-6, 0, &BatchLayout::single(sc, pos, t), &mut cst).unwrap();
                 let go = g.deltanet(gi, &dims, 1e-6, 0, &BatchLayout::single(sg, pos, t), &mut gst).unwrap();
-                report(&format!("deltanet Hk={} Hv={} dk={} dv={} pos={pos} T={t}", cs_.hk, cs_.hv, cs_.dk, cs_.dv), rel_l2(&host(&g, &go), &co.data), 2e-3);
+                report(
+                    &format!("deltanet Hk={} Hv={} dk={} dv={} pos={pos} T={t}", cs_.hk, cs_.hv, cs_.dk, cs_.dv),
+                    rel_l2(&host(&g, &go), &co.data),
+                    2e-3,
+                );
                 pos += t;
             }
         }
@@ -218,7 +265,16 @@ fn deltanet_chunked_prefill_equals_token_by_token() {
             up(&g, n, hv, &b[lo * hv..hi * hv]),
             up(&g, n, hv, &a[lo * hv..hi * hv]),
         ];
-        let gi = DeltaNetInputs::<CudaBackend> { qkv: &gt[0], z: &gt[1], b: &gt[2], a: &gt[3], conv: &gv[0], a_log: &gv[1], dt_bias: &gv[2], norm: &gv[3] };
+        let gi = DeltaNetInputs::<CudaBackend> {
+            qkv: &gt[0],
+            z: &gt[1],
+            b: &gt[2],
+            a: &gt[3],
+            conv: &gv[0],
+            a_log: &gv[1],
+            dt_bias: &gv[2],
+            norm: &gv[3],
+        };
         host(&g, &g.deltanet(gi, &dims, 1e-6, 0, &BatchLayout::single(slot, lo, n), st).unwrap())
     };
     let full = run(&mut st, s0, 0, t);
@@ -250,20 +306,36 @@ fn moe_routing_and_experts() {
         let cfg = config(64, h, 1, (2, 1, 64), (1, 1, 32, 32), (e, k, i, is), 1);
         let router = linear(&mut rng, e, h, Fmt::Hf, 8);
         let experts: Vec<HostMlp> = (0..e)
-            .map(|_| HostMlp { gate_proj: linear(&mut rng, i, h, Fmt::Mlx, 4), up_proj: linear(&mut rng, i, h, Fmt::Mlx, 4), down_proj: linear(&mut rng, h, i, Fmt::Mlx, 4) })
+            .map(|_| HostMlp {
+                gate_proj: linear(&mut rng, i, h, Fmt::Mlx, 4),
+                up_proj: linear(&mut rng, i, h, Fmt::Mlx, 4),
+                down_proj: linear(&mut rng, h, i, Fmt::Mlx, 4),
+            })
             .collect();
-        let shared = (is > 0).then(|| HostMlp { gate_proj: linear(&mut rng, is, h, Fmt::Mlx, 4), up_proj: linear(&mut rng, is, h, Fmt::Mlx, 4), down_proj: linear(&mut rng, h, is, Fmt::Mlx, 4) });
+        let shared = (is > 0).then(|| HostMlp {
+            gate_proj: linear(&mut rng, is, h, Fmt::Mlx, 4),
+            up_proj: linear(&mut rng, is, h, Fmt::Mlx, 4),
+            down_proj: linear(&mut rng, h, is, Fmt::Mlx, 4),
+        });
         let sgate = (is > 0).then(|| linear(&mut rng, 1, h, Fmt::Hf, 8));
         let cw = MoeWeights::<CpuBackend> {
             router: c.upload_linear(&router).unwrap(),
             experts: c.upload_experts(&experts).unwrap(),
-            shared: shared.as_ref().map(|m| orchid_model::backend::Mlp { gate_proj: c.upload_linear(&m.gate_proj).unwrap(), up_proj: c.upload_linear(&m.up_proj).unwrap(), down_proj: c.upload_linear(&m.down_proj).unwrap() }),
+            shared: shared.as_ref().map(|m| orchid_model::backend::Mlp {
+                gate_proj: c.upload_linear(&m.gate_proj).unwrap(),
+                up_proj: c.upload_linear(&m.up_proj).unwrap(),
+                down_proj: c.upload_linear(&m.down_proj).unwrap(),
+            }),
             shared_gate: sgate.as_ref().map(|s| c.upload_linear(s).unwrap()),
         };
         let gw = MoeWeights::<CudaBackend> {
             router: g.upload_linear(&router).unwrap(),
             experts: g.upload_experts(&experts).unwrap(),
-            shared: shared.as_ref().map(|m| orchid_model::backend::Mlp { gate_proj: g.upload_linear(&m.gate_proj).unwrap(), up_proj: g.upload_linear(&m.up_proj).unwrap(), down_proj: g.upload_linear(&m.down_proj).unwrap() }),
+            shared: shared.as_ref().map(|m| orchid_model::backend::Mlp {
+                gate_proj: g.upload_linear(&m.gate_proj).unwrap(),
+                up_proj: g.upload_linear(&m.up_proj).unwrap(),
+                down_proj: g.upload_linear(&m.down_proj).unwrap(),
+            }),
             shared_gate: sgate.as_ref().map(|s| g.upload_linear(s).unwrap()),
         };
         for &t in ts {
@@ -297,7 +369,9 @@ fn sampling_greedy_and_filters() {
     let n = 64;
     let logits = rng.vec(n, 2.0);
     let gl = up(&g, 1, n, &logits);
-    for (temp, top_k, top_p, min_p) in [(1.0f32, 0usize, 1.0f32, 0.0f32), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.3, 0, 1.0, 0.2), (1.0, 10, 0.8, 0.05)] {
+    for (temp, top_k, top_p, min_p) in
+        [(1.0f32, 0usize, 1.0f32, 0.0f32), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.3, 0, 1.0, 0.2), (1.0, 10, 0.8, 0.05)]
+    {
         let p = orchid_cuda::SampleParams { temperature: temp, top_k: top_k as i32, top_p, min_p, seed: 42, valid: n as i32, pad: 0 };
         let want = filtered(&logits, temp, top_k, top_p, min_p);
         let draws = 4000;
@@ -308,7 +382,10 @@ fn sampling_greedy_and_filters() {
         let outside: f64 = freq.iter().zip(&want).filter(|(_, w)| **w == 0.0).map(|(f, _)| f).sum();
         let dev = freq.iter().zip(&want).map(|(f, w)| (f - w).abs()).fold(0.0, f64::max);
         let ok = outside == 0.0 && dev < 0.035;
-        println!("PARITY {} sampling T={temp} k={top_k} p={top_p} min_p={min_p}: max |freq - p| {dev:.3}, mass outside {outside}", if ok { "PASS" } else { "FAIL" });
+        println!(
+            "PARITY {} sampling T={temp} k={top_k} p={top_p} min_p={min_p}: max |freq - p| {dev:.3}, mass outside {outside}",
+            if ok { "PASS" } else { "FAIL" }
+        );
         assert!(ok);
         // Reproducible: same seed and step, same token.
         assert_eq!(orchid_cuda::sample(&g, &gl, p, 7).unwrap(), orchid_cuda::sample(&g, &gl, p, 7).unwrap());

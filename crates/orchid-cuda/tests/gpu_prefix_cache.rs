@@ -18,9 +18,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::gpu;
+use orchid_engine::Tokenizer;
 use orchid_engine::engine::{EngineHandle, EngineOptions, spawn};
 use orchid_engine::request::{Event, GenerateRequest};
-use orchid_engine::Tokenizer;
 
 const NEAR_TIE: f32 = 0.05;
 
@@ -32,7 +32,15 @@ fn model_dir() -> PathBuf {
 fn start(g: &orchid_cuda::CudaBackend, cache: bool) -> (EngineHandle, Arc<Tokenizer>) {
     let dir = model_dir();
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-    let opts = EngineOptions { max_seqs: 4, max_context: 1024, prefill_chunk: 128, max_queue: 16, fast_decode: false, prefix_cache: cache, prefix_cache_bytes: Some(256 << 20) };
+    let opts = EngineOptions {
+        max_seqs: 4,
+        max_context: 1024,
+        prefill_chunk: 128,
+        max_queue: 16,
+        fast_decode: false,
+        prefix_cache: cache,
+        prefix_cache_bytes: Some(256 << 20),
+    };
     let g = g.clone();
     let e = spawn(opts, tok.clone(), move || Ok(orchid_model::load_model(&dir, g)?));
     e.wait_ready().expect("the engine loads");
@@ -160,7 +168,11 @@ fn prefix_cache_matches_no_cache() {
     let bytes = st.prefix_cache_bytes.load(Ordering::Relaxed);
     let ok = bytes > 0 && bytes <= 256 << 20 && st.prefix_cache_hits.load(Ordering::Relaxed) >= 8;
     fails += !ok as usize;
-    println!("PARITY {} prefix-cache accounting: {bytes} bytes held, {} hits", if ok { "PASS" } else { "FAIL" }, st.prefix_cache_hits.load(Ordering::Relaxed));
+    println!(
+        "PARITY {} prefix-cache accounting: {bytes} bytes held, {} hits",
+        if ok { "PASS" } else { "FAIL" },
+        st.prefix_cache_hits.load(Ordering::Relaxed)
+    );
     on.shutdown(false);
     off.shutdown(false);
     assert_eq!(fails, 0, "prefix-cache parity failures");

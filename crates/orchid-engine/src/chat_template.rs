@@ -60,15 +60,7 @@ type Result<T> = std::result::Result<T, ChatTemplateError>;
 /// Names transformers passes itself; an extra kwarg with one of these names is an error there.
 const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
 /// The special-token attributes transformers exposes to templates (`special_tokens_map`).
-const SPECIAL_TOKEN_VARS: [&str; 7] = [
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-];
+const SPECIAL_TOKEN_VARS: [&str; 7] = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
 /// A compiled chat template (one or several named ones) plus the special-token variables.
 pub struct ChatTemplate {
@@ -79,9 +71,7 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("names", &self.names)
-            .finish()
+        f.debug_struct("ChatTemplate").field("names", &self.names).finish()
     }
 }
 
@@ -101,9 +91,8 @@ impl ChatTemplate {
         }
         let jinja_path = dir.join("chat_template.jinja");
         let templates: Vec<(String, String)> = if jinja_path.is_file() {
-            let src = std::fs::read_to_string(&jinja_path).map_err(|e| {
-                ChatTemplateError::Load(format!("{}: cannot read: {e}", jinja_path.display()))
-            })?;
+            let src = std::fs::read_to_string(&jinja_path)
+                .map_err(|e| ChatTemplateError::Load(format!("{}: cannot read: {e}", jinja_path.display())))?;
             vec![("default".into(), src)]
         } else {
             match tc.as_ref().and_then(|tc| tc.get("chat_template")) {
@@ -129,39 +118,25 @@ impl ChatTemplate {
     /// A template from source, with the given special-token variables (`("eos_token",
     /// "<|im_end|>")` ...).
     pub fn from_source(source: &str, special_tokens: &[(&str, &str)]) -> Result<Self> {
-        let special = special_tokens
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let special = special_tokens.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Self::new(vec![("default".into(), source.to_string())], special)
     }
 
-    fn new(
-        templates: Vec<(String, String)>,
-        special_tokens: Vec<(String, String)>,
-    ) -> Result<Self> {
+    fn new(templates: Vec<(String, String)>, special_tokens: Vec<(String, String)>) -> Result<Self> {
         let mut env = Environment::new();
         // transformers: ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True),
         // keep_trailing_newline False, no autoescaping, lenient undefined (jinja2 `Undefined`).
-        let syntax = SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .map_err(|e| ChatTemplateError::Syntax(e.to_string()))?;
+        let syntax =
+            SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(|e| ChatTemplateError::Syntax(e.to_string()))?;
         env.set_syntax(syntax);
         env.set_auto_escape_callback(|_| AutoEscape::None);
         pycompat::install(&mut env);
         let mut names = Vec::new();
         for (name, src) in templates {
-            env.add_template_owned(name.clone(), src)
-                .map_err(|e| ChatTemplateError::Syntax(format!("template {name:?}: {e}")))?;
+            env.add_template_owned(name.clone(), src).map_err(|e| ChatTemplateError::Syntax(format!("template {name:?}: {e}")))?;
             names.push(name);
         }
-        Ok(ChatTemplate {
-            env,
-            names,
-            special_tokens,
-        })
+        Ok(ChatTemplate { env, names, special_tokens })
     }
 
     /// Renders `messages` (OpenAI-style message objects) with optional `tools` (OpenAI tool
@@ -178,9 +153,7 @@ impl ChatTemplate {
             return Err(ChatTemplateError::InvalidRequest("no messages".into()));
         }
         if let Some(k) = kwargs.keys().find(|k| RESERVED.contains(&k.as_str())) {
-            return Err(ChatTemplateError::InvalidRequest(format!(
-                "`{k}` cannot be passed as a template variable"
-            )));
+            return Err(ChatTemplateError::InvalidRequest(format!("`{k}` cannot be passed as a template variable")));
         }
         let messages = messages
             .iter()
@@ -202,19 +175,11 @@ impl ChatTemplate {
         };
         ctx.push(("tools".into(), tools_value));
         ctx.push(("documents".into(), Value::from(())));
-        ctx.push((
-            "add_generation_prompt".into(),
-            Value::from(add_generation_prompt),
-        ));
+        ctx.push(("add_generation_prompt".into(), Value::from(add_generation_prompt)));
 
         let name = self.pick(tools.is_some())?;
-        let template = self
-            .env
-            .get_template(name)
-            .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
-        template
-            .render(Value::from_pairs(ctx))
-            .map_err(render_error)
+        let template = self.env.get_template(name).map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        template.render(Value::from_pairs(ctx)).map_err(render_error)
     }
 
     /// Renders a request object `{"messages": [..], "tools": [..]?, "add_generation_prompt":
@@ -222,9 +187,7 @@ impl ChatTemplate {
     /// OpenAI-server convention); `tools: null` means no tools.
     pub fn render_request(&self, request: &Json) -> Result<String> {
         let bad = |m: &str| ChatTemplateError::InvalidRequest(m.to_string());
-        let obj = request
-            .as_object()
-            .ok_or_else(|| bad("the request must be a JSON object"))?;
+        let obj = request.as_object().ok_or_else(|| bad("the request must be a JSON object"))?;
         let messages = match obj.get("messages") {
             Some(Json::Array(m)) => m.as_slice(),
             _ => return Err(bad("`messages` must be a list")),
@@ -248,23 +211,9 @@ impl ChatTemplate {
     }
 
     fn pick(&self, has_tools: bool) -> Result<&str> {
-        let find = |n: &str| {
-            self.names
-                .iter()
-                .find(|x| x.as_str() == n)
-                .map(String::as_str)
-        };
-        let picked = if has_tools {
-            find("tool_use").or_else(|| find("default"))
-        } else {
-            find("default")
-        };
-        picked.ok_or_else(|| {
-            ChatTemplateError::Load(format!(
-                "no \"default\" chat template among the named templates {:?}",
-                self.names
-            ))
-        })
+        let find = |n: &str| self.names.iter().find(|x| x.as_str() == n).map(String::as_str);
+        let picked = if has_tools { find("tool_use").or_else(|| find("default")) } else { find("default") };
+        picked.ok_or_else(|| ChatTemplateError::Load(format!("no \"default\" chat template among the named templates {:?}", self.names)))
     }
 }
 
@@ -296,19 +245,11 @@ fn render_error(e: minijinja::Error) -> ChatTemplateError {
 /// One message as transformers + vLLM hand it to the template (see the module docs).
 fn prepare_message(index: usize, message: &Json) -> Result<Map<String, Json>> {
     let Some(obj) = message.as_object() else {
-        return Err(ChatTemplateError::InvalidRequest(format!(
-            "messages[{index}] must be an object"
-        )));
+        return Err(ChatTemplateError::InvalidRequest(format!("messages[{index}] must be an object")));
     };
-    let mut msg: Map<String, Json> = obj
-        .iter()
-        .filter(|(_, v)| !v.is_null())
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let mut msg: Map<String, Json> = obj.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
 
-    let reasoning = ["reasoning_content", "thinking", "reasoning"]
-        .iter()
-        .find_map(|k| msg.get(*k).cloned());
+    let reasoning = ["reasoning_content", "thinking", "reasoning"].iter().find_map(|k| msg.get(*k).cloned());
     if let Some(r) = reasoning {
         // Python: {"thinking": r, **message, "reasoning_content": r}
         let mut aliased = Map::new();

@@ -30,11 +30,7 @@ enum State {
     Bytes { pending: Vec<u8> },
     /// Generic: the ids of the window; `ids[..read]` has been emitted, `ids[..prefix]` is
     /// context that keeps decoders (leading-space rules) consistent.
-    Window {
-        ids: Vec<u32>,
-        prefix: usize,
-        read: usize,
-    },
+    Window { ids: Vec<u32>, prefix: usize, read: usize },
 }
 
 /// How many context ids the generic strategy keeps from a prompt.
@@ -51,29 +47,15 @@ impl Detokenizer {
     /// that treat the first token specially (SentencePiece strips its leading space) then
     /// render the first generated token as it reads in the middle of the text. Byte-level
     /// tokenizers need no context and ignore it.
-    pub fn with_context(
-        tokenizer: Arc<Tokenizer>,
-        skip_special_tokens: bool,
-        context: &[u32],
-    ) -> Self {
+    pub fn with_context(tokenizer: Arc<Tokenizer>, skip_special_tokens: bool, context: &[u32]) -> Self {
         let state = if tokenizer.is_byte_level() {
-            State::Bytes {
-                pending: Vec::new(),
-            }
+            State::Bytes { pending: Vec::new() }
         } else {
             let ids = context[context.len().saturating_sub(CONTEXT_IDS)..].to_vec();
             let read = ids.len();
-            State::Window {
-                ids,
-                prefix: 0,
-                read,
-            }
+            State::Window { ids, prefix: 0, read }
         };
-        Detokenizer {
-            tokenizer,
-            skip_special: skip_special_tokens,
-            state,
-        }
+        Detokenizer { tokenizer, skip_special: skip_special_tokens, state }
     }
 
     /// Feeds one id and returns the text it completed (often empty: part of a character,
@@ -89,9 +71,7 @@ impl Detokenizer {
             }
             State::Window { ids, prefix, read } => {
                 ids.push(id);
-                let before = self
-                    .tokenizer
-                    .decode(&ids[*prefix..*read], self.skip_special);
+                let before = self.tokenizer.decode(&ids[*prefix..*read], self.skip_special);
                 let after = self.tokenizer.decode(&ids[*prefix..], self.skip_special);
                 if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
                     out = text_after(&after, &before);
@@ -114,9 +94,7 @@ impl Detokenizer {
             State::Bytes { pending } => drain_utf8(pending, &mut out, true),
             State::Window { ids, prefix, read } => {
                 if *read < ids.len() {
-                    let before = self
-                        .tokenizer
-                        .decode(&ids[*prefix..*read], self.skip_special);
+                    let before = self.tokenizer.decode(&ids[*prefix..*read], self.skip_special);
                     let after = self.tokenizer.decode(&ids[*prefix..], self.skip_special);
                     out = text_after(&after, &before);
                 }
@@ -178,12 +156,7 @@ fn text_after(after: &str, before: &str) -> String {
     if let Some(rest) = after.strip_prefix(before) {
         return rest.to_string();
     }
-    let common: usize = after
-        .char_indices()
-        .zip(before.chars())
-        .take_while(|((_, a), b)| a == b)
-        .map(|((_, a), _)| a.len_utf8())
-        .sum();
+    let common: usize = after.char_indices().zip(before.chars()).take_while(|((_, a), b)| a == b).map(|((_, a), _)| a.len_utf8()).sum();
     after[common..].to_string()
 }
 
@@ -227,15 +200,9 @@ mod tests {
         // Rare CJK and emoji are split into byte tokens by byte-level BPE.
         let text = "𠜎𠜱𝄞🦀";
         let ids = tok.encode(text, false).unwrap();
-        assert!(
-            ids.len() > text.chars().count(),
-            "expected byte-split tokens: {ids:?}"
-        );
+        assert!(ids.len() > text.chars().count(), "expected byte-split tokens: {ids:?}");
         let chunks = stream(&tok, &ids, false);
-        assert!(
-            chunks.iter().any(|c| c.is_empty()),
-            "some tokens must hold back bytes"
-        );
+        assert!(chunks.iter().any(|c| c.is_empty()), "some tokens must hold back bytes");
         assert_eq!(chunks.concat(), text);
         // Every id-at-a-time prefix decodes to whole characters only.
         let mut d = Detokenizer::new(tok.clone(), false);
@@ -270,10 +237,7 @@ mod tests {
         assert_eq!(ids.last(), Some(&248_046));
         assert_eq!(stream(&tok, &ids, false).concat(), text);
         // Only `special` added tokens are skipped; <think> is not special in this file.
-        assert_eq!(
-            stream(&tok, &ids, true).concat(),
-            "<think>\nhmm\n</think>\n\nDone."
-        );
+        assert_eq!(stream(&tok, &ids, true).concat(), "<think>\nhmm\n</think>\n\nDone.");
         let mut d = Detokenizer::new(tok.clone(), true);
         assert_eq!(d.push(248_046), "");
         assert_eq!(d.push(u32::MAX), "");
@@ -287,12 +251,7 @@ mod tests {
             d.push(id);
         }
         d.finish();
-        let out: String = tok
-            .encode("second ✓", false)
-            .unwrap()
-            .into_iter()
-            .map(|id| d.push(id))
-            .collect();
+        let out: String = tok.encode("second ✓", false).unwrap().into_iter().map(|id| d.push(id)).collect();
         assert_eq!(out + &d.finish(), "second ✓");
     }
 
@@ -303,12 +262,7 @@ mod tests {
         for b in 0..256u32 {
             vocab.insert(format!("<0x{b:02X}>"), (b + 1).into());
         }
-        for (i, t) in [
-            "▁", "▁hello", "▁world", "h", "e", "l", "o", "w", "r", "d", "!",
-        ]
-        .iter()
-        .enumerate()
-        {
+        for (i, t) in ["▁", "▁hello", "▁world", "h", "e", "l", "o", "w", "r", "d", "!"].iter().enumerate() {
             vocab.insert((*t).into(), (257 + i as u32).into());
         }
         let json = serde_json::json!({

@@ -137,7 +137,10 @@ pub fn is_bad_model(e: &anyhow::Error) -> bool {
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// A testing aid: `ORCHID_FAULT=load` (or `step`) makes the engine thread panic while loading
@@ -177,7 +180,9 @@ pub struct EngineStats {
 enum Command {
     Submit(Box<GenerateRequest>, UnboundedSender<Event>),
     /// Stop admitting; finish running requests (drain) or cancel them, then exit.
-    Shutdown { drain: bool },
+    Shutdown {
+        drain: bool,
+    },
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -761,7 +766,8 @@ impl<B: Backend> Engine<B> {
         let s = &self.running[0];
         let p = &s.req.sampling;
         let valid = self.tokenizer.vocab_size().min(self.model.config.vocab_size);
-        let sampling = DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: s.device_seed, valid };
+        let sampling =
+            DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: s.device_seed, valid };
         if let Err(e) = fast.prepare(&self.model, &mut self.state, s.slot, &sampling) {
             tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
             self.fast = None;

@@ -105,10 +105,19 @@ pub struct Usage {
 pub enum Event {
     /// A generated token and the text it completes (possibly empty: half a character, or text
     /// held back because it may start a stop string).
-    Token { id: u32, text: String, logprob: Option<TokenLogprob> },
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
     /// Generation ended; `text` is any text released at the end; `stop_reason` is what
     /// stopped it (None at the length limit).
-    Finished { reason: FinishReason, text: String, usage: Usage, stop_reason: Option<StopReason> },
+    Finished {
+        reason: FinishReason,
+        text: String,
+        usage: Usage,
+        stop_reason: Option<StopReason>,
+    },
     Error(String),
 }
 

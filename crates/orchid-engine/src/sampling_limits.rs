@@ -55,10 +55,7 @@ mod tests {
         assert!(TOP_P.check(0.0).is_err());
         assert_eq!(TOP_P.check(1.0), Ok(1.0));
         // Inside (0, 10] as an f64, but 0 as an f32.
-        assert_eq!(
-            REPETITION_PENALTY.check(1e-46).unwrap_err(),
-            "`repetition_penalty` must be greater than 0 and at most 10, got 1e-46"
-        );
+        assert_eq!(REPETITION_PENALTY.check(1e-46).unwrap_err(), "`repetition_penalty` must be greater than 0 and at most 10, got 1e-46");
         assert!(PRESENCE_PENALTY.check(2.5).is_err());
     }
 }

@@ -35,7 +35,15 @@ pub enum StopOutcome {
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> StopMatcher {
-        let mut m = StopMatcher { next: vec![Vec::new()], fail: vec![0], depth: vec![0], out: vec![0], at: 0, pending: String::new(), matched: None };
+        let mut m = StopMatcher {
+            next: vec![Vec::new()],
+            fail: vec![0],
+            depth: vec![0],
+            out: vec![0],
+            at: 0,
+            pending: String::new(),
+            matched: None,
+        };
         for s in stops.iter().filter(|s| !s.is_empty()) {
             let mut node = 0u32;
             for &b in s.as_bytes() {
@@ -179,8 +187,7 @@ mod tests {
         };
         let alphabet = ['a', 'b', 'é', 'c'];
         for _ in 0..2000 {
-            let stops: Vec<String> =
-                (0..1 + rnd(3)).map(|_| (0..1 + rnd(4)).map(|_| alphabet[rnd(4) as usize]).collect()).collect();
+            let stops: Vec<String> = (0..1 + rnd(3)).map(|_| (0..1 + rnd(4)).map(|_| alphabet[rnd(4) as usize]).collect()).collect();
             let text: String = (0..rnd(20)).map(|_| alphabet[rnd(4) as usize]).collect();
             let chars: Vec<char> = text.chars().collect();
             // Reference: scan end positions; the first end where some stop string ends wins.

@@ -76,11 +76,8 @@ impl Tokenizer {
         if !path.is_file() {
             bail!("{}: tokenizer file not found", path.display());
         }
-        let mut inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| anyhow!("{}: cannot load tokenizer: {e}", path.display()))?;
-        inner
-            .with_truncation(None)
-            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let mut inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| anyhow!("{}: cannot load tokenizer: {e}", path.display()))?;
+        inner.with_truncation(None).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         inner.with_padding(None);
 
         let decoder = inner.get_added_tokens_decoder();
@@ -112,10 +109,7 @@ impl Tokenizer {
     /// Encodes `text`. Special tokens written in the text become their ids (as HF does);
     /// `add_special_tokens` runs the post-processor (BOS/EOS templates, none for Qwen).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| anyhow!("tokenizer encode failed: {e}"))?;
+        let enc = self.inner.encode_fast(text, add_special_tokens).map_err(|e| anyhow!("tokenizer encode failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -277,12 +271,9 @@ impl Tokenizer {
         if let Some(cfg) = read_json_opt(&tc_path)?
             && let Some(token) = token_string(&tc_path, "eos_token", cfg.get("eos_token"))?
         {
-            let id = self.token_id(&token).ok_or_else(|| {
-                anyhow!(
-                    "{}: eos_token {token:?} is not in the tokenizer.json vocabulary",
-                    tc_path.display()
-                )
-            })?;
+            let id = self
+                .token_id(&token)
+                .ok_or_else(|| anyhow!("{}: eos_token {token:?} is not in the tokenizer.json vocabulary", tc_path.display()))?;
             push(&mut ids, id);
         }
         if ids.is_empty() {
@@ -301,10 +292,8 @@ pub(crate) fn read_json_opt(path: &Path) -> Result<Option<Value>> {
     if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
-    let v = serde_json::from_str(&text)
-        .with_context(|| format!("{}: malformed JSON", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let v = serde_json::from_str(&text).with_context(|| format!("{}: malformed JSON", path.display()))?;
     Ok(Some(v))
 }
 
@@ -316,15 +305,9 @@ pub(crate) fn token_string(path: &Path, field: &str, v: Option<&Value>) -> Resul
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(Value::Object(m)) => match m.get("content") {
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            _ => bail!(
-                "{}: `{field}` is an object without a string `content`",
-                path.display()
-            ),
+            _ => bail!("{}: `{field}` is an object without a string `content`", path.display()),
         },
-        Some(other) => bail!(
-            "{}: `{field}` must be a string, got {other}",
-            path.display()
-        ),
+        Some(other) => bail!("{}: `{field}` must be a string, got {other}", path.display()),
     }
 }
 
@@ -333,12 +316,7 @@ fn parse_id_list(path: &Path, field: &str, v: Option<&Value>) -> Result<Vec<u32>
     let one = |v: &Value| -> Result<u32> {
         v.as_u64()
             .and_then(|x| u32::try_from(x).ok())
-            .ok_or_else(|| {
-                anyhow!(
-                    "{}: `{field}` must be a non-negative integer or a list of them, got {v}",
-                    path.display()
-                )
-            })
+            .ok_or_else(|| anyhow!("{}: `{field}` must be a non-negative integer or a list of them, got {v}", path.display()))
     };
     match v {
         None | Some(Value::Null) => Ok(Vec::new()),
@@ -374,9 +352,7 @@ pub(crate) mod tests {
     use std::path::PathBuf;
 
     pub(crate) fn assets(name: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../assets")
-            .join(name)
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets").join(name)
     }
 
     #[test]
@@ -387,10 +363,7 @@ pub(crate) mod tests {
         assert_eq!(unicode_to_byte('a'), Some(b'a'));
         assert_eq!(unicode_to_byte(' '), None);
         assert_eq!(unicode_to_byte('\u{0144}'), None); // past the 68 remapped bytes
-        let mut all: Vec<u8> = (0..=0x143u32)
-            .filter_map(char::from_u32)
-            .filter_map(unicode_to_byte)
-            .collect();
+        let mut all: Vec<u8> = (0..=0x143u32).filter_map(char::from_u32).filter_map(unicode_to_byte).collect();
         all.sort();
         all.dedup();
         assert_eq!(all.len(), 256);
@@ -423,10 +396,7 @@ pub(crate) mod tests {
         assert_eq!(ids, vec![248_068, tok.token_id("x").unwrap(), 248_069]);
         assert_eq!(tok.decode(&ids, true), "<think>x</think>");
         // Unknown ids are dropped.
-        assert_eq!(
-            tok.decode(&[u32::MAX, tok.token_id("x").unwrap()], false),
-            "x"
-        );
+        assert_eq!(tok.decode(&[u32::MAX, tok.token_id("x").unwrap()], false), "x");
     }
 
     #[test]
@@ -447,47 +417,22 @@ pub(crate) mod tests {
     fn eos_union_from_configs() {
         let d = tmp_dir("eos");
         std::fs::copy(assets("qwen3.5/tokenizer.json"), d.join("tokenizer.json")).unwrap();
-        std::fs::write(
-            d.join("generation_config.json"),
-            r#"{"eos_token_id": [248046, 248044]}"#,
-        )
-        .unwrap();
-        std::fs::write(
-            d.join("config.json"),
-            r#"{"text_config": {"eos_token_id": 248063}}"#,
-        )
-        .unwrap();
-        std::fs::write(
-            d.join("tokenizer_config.json"),
-            r#"{"eos_token": {"content": "<|im_end|>"}}"#,
-        )
-        .unwrap();
+        std::fs::write(d.join("generation_config.json"), r#"{"eos_token_id": [248046, 248044]}"#).unwrap();
+        std::fs::write(d.join("config.json"), r#"{"text_config": {"eos_token_id": 248063}}"#).unwrap();
+        std::fs::write(d.join("tokenizer_config.json"), r#"{"eos_token": {"content": "<|im_end|>"}}"#).unwrap();
         let tok = Tokenizer::from_dir(&d).unwrap();
         assert_eq!(tok.eos_token_ids(), &[248_046, 248_044, 248_063]);
 
         std::fs::write(d.join("config.json"), r#"{"eos_token_id": "x"}"#).unwrap();
         let err = format!("{:#}", Tokenizer::from_dir(&d).unwrap_err());
-        assert!(
-            err.contains("config.json") && err.contains("eos_token_id"),
-            "{err}"
-        );
+        assert!(err.contains("config.json") && err.contains("eos_token_id"), "{err}");
         std::fs::write(d.join("config.json"), "{not json").unwrap();
         let err = format!("{:#}", Tokenizer::from_dir(&d).unwrap_err());
-        assert!(
-            err.contains("config.json") && err.contains("malformed"),
-            "{err}"
-        );
+        assert!(err.contains("config.json") && err.contains("malformed"), "{err}");
         std::fs::remove_file(d.join("config.json")).unwrap();
-        std::fs::write(
-            d.join("tokenizer_config.json"),
-            r#"{"eos_token": "<nope>"}"#,
-        )
-        .unwrap();
+        std::fs::write(d.join("tokenizer_config.json"), r#"{"eos_token": "<nope>"}"#).unwrap();
         let err = format!("{:#}", Tokenizer::from_dir(&d).unwrap_err());
-        assert!(
-            err.contains("tokenizer_config.json") && err.contains("<nope>"),
-            "{err}"
-        );
+        assert!(err.contains("tokenizer_config.json") && err.contains("<nope>"), "{err}");
         std::fs::remove_dir_all(&d).ok();
     }
 
@@ -495,10 +440,7 @@ pub(crate) mod tests {
     fn missing_or_bad_tokenizer_json() {
         let d = tmp_dir("missing");
         let err = format!("{:#}", Tokenizer::from_dir(&d).unwrap_err());
-        assert!(
-            err.contains("tokenizer.json") && err.contains("not found"),
-            "{err}"
-        );
+        assert!(err.contains("tokenizer.json") && err.contains("not found"), "{err}");
         std::fs::write(d.join("tokenizer.json"), "{}").unwrap();
         let err = format!("{:#}", Tokenizer::from_dir(&d).unwrap_err());
         assert!(err.contains("tokenizer.json"), "{err}");

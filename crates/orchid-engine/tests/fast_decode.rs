@@ -37,7 +37,13 @@ impl FastDecode<CpuBackend> for Mock {
         "mock"
     }
 
-    fn prepare(&mut self, _m: &Model<CpuBackend>, _s: &mut <CpuBackend as Backend>::State, slot: usize, sampling: &DeviceSampling) -> Result<()> {
+    fn prepare(
+        &mut self,
+        _m: &Model<CpuBackend>,
+        _s: &mut <CpuBackend as Backend>::State,
+        slot: usize,
+        sampling: &DeviceSampling,
+    ) -> Result<()> {
         if self.fail_prepare {
             return Err(Error::Backend("the mock refuses".into()));
         }
@@ -54,7 +60,14 @@ impl FastDecode<CpuBackend> for Mock {
             return Ok(argmax(&l[..d.valid.min(l.len())]) as u32);
         }
         // A stand-in for a device sampler: a generator keyed by (seed, index).
-        let p = SamplingParams { temperature: d.temperature, top_k: d.top_k, top_p: d.top_p, min_p: d.min_p, seed: Some(d.seed ^ step.index as u64), ..Default::default() };
+        let p = SamplingParams {
+            temperature: d.temperature,
+            top_k: d.top_k,
+            top_p: d.top_p,
+            min_p: d.min_p,
+            seed: Some(d.seed ^ step.index as u64),
+            ..Default::default()
+        };
         Ok(Sampler::new(p, &[]).sample(&l, d.valid))
     }
 }
@@ -64,10 +77,19 @@ fn start(fast: Option<bool>, fail_prepare: bool, enabled: bool) -> (EngineHandle
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let log = Arc::new(Mutex::new(Log::default()));
     let log2 = log.clone();
-    let opts = EngineOptions { max_seqs: 4, max_context: 256, prefill_chunk: 16, max_queue: 8, fast_decode: enabled, prefix_cache: false, prefix_cache_bytes: None };
+    let opts = EngineOptions {
+        max_seqs: 4,
+        max_context: 256,
+        prefill_chunk: 16,
+        max_queue: 8,
+        fast_decode: enabled,
+        prefix_cache: false,
+        prefix_cache_bytes: None,
+    };
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;
-        let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> = fast.map(|_| Box::new(Mock { log: log2, fail_prepare }) as Box<dyn FastDecode<CpuBackend>>);
+        let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> =
+            fast.map(|_| Box::new(Mock { log: log2, fail_prepare }) as Box<dyn FastDecode<CpuBackend>>);
         Ok(LoadedModel { model, fast_decode })
     });
     e.wait_ready().unwrap();
@@ -118,7 +140,9 @@ const PROMPTS: [&str; 3] = ["Once upon a time, in a small village by the sea,", 
 fn check_steps(steps: &[DecodeStep], outs: &[(&Out, usize)]) -> Vec<usize> {
     let mut per = vec![0; outs.len()];
     for s in steps {
-        let who = outs.iter().position(|(o, len)| s.index >= 1 && s.index < o.tokens.len() + 1 && o.tokens.get(s.index - 1) == Some(&s.token) && s.pos == len + s.index - 1);
+        let who = outs.iter().position(|(o, len)| {
+            s.index >= 1 && s.index < o.tokens.len() + 1 && o.tokens.get(s.index - 1) == Some(&s.token) && s.pos == len + s.index - 1
+        });
         let who = who.unwrap_or_else(|| panic!("step {s:?} continues none of the outputs"));
         per[who] += 1;
     }
@@ -215,7 +239,9 @@ fn unsupported_sampling_and_switches_use_the_generic_path() {
     assert_eq!(collect(broken.submit(r.clone()).unwrap()), a);
     assert_eq!(collect(broken.submit(r.clone()).unwrap()), a);
     assert_eq!(collect(off.submit(r.clone()).unwrap()), a);
-    assert!(log.lock().unwrap().steps.is_empty() && log_off.lock().unwrap().steps.is_empty() && log_off.lock().unwrap().prepared.is_empty());
+    assert!(
+        log.lock().unwrap().steps.is_empty() && log_off.lock().unwrap().steps.is_empty() && log_off.lock().unwrap().prepared.is_empty()
+    );
     for e in [plain, broken, off] {
         e.shutdown(false);
     }

@@ -22,12 +22,12 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
             let text = read_regular_file(&index)?;
-            let v: Value = serde_json::from_str(&text)
-                .map_err(|e| Error::Checkpoint { file: index.clone(), msg: format!("invalid JSON: {e}") })?;
-            let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| Error::Checkpoint {
-                file: index.clone(),
-                msg: "no `weight_map` object".into(),
-            })?;
+            let v: Value =
+                serde_json::from_str(&text).map_err(|e| Error::Checkpoint { file: index.clone(), msg: format!("invalid JSON: {e}") })?;
+            let map = v
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| Error::Checkpoint { file: index.clone(), msg: "no `weight_map` object".into() })?;
             let names: BTreeSet<&str> = map.values().filter_map(Value::as_str).collect();
             // Only files inside the folder: a plain relative name, no `..`, no absolute path.
             for n in &names {

@@ -166,10 +166,9 @@ fn ids_of(v: &Option<Value>, name: &str) -> Result<Vec<u32>> {
     match v {
         None | Some(Value::Null) => Ok(vec![]),
         Some(Value::Number(n)) => Ok(vec![n.as_u64().ok_or_else(|| field(name, "not a token id"))? as u32]),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|x| x.as_u64().map(|n| n as u32).ok_or_else(|| field(name, "not a list of token ids")))
-            .collect(),
+        Some(Value::Array(a)) => {
+            a.iter().map(|x| x.as_u64().map(|n| n as u32).ok_or_else(|| field(name, "not a list of token ids"))).collect()
+        }
         Some(_) => Err(field(name, "expected an integer or a list of integers")),
     }
 }
@@ -184,21 +183,17 @@ impl ModelConfig {
 
     /// Parses and validates a `config.json` document.
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let root: Value = serde_json::from_str(text)
-            .map_err(|e| Error::Config { field: "config.json".into(), msg: format!("invalid JSON: {e}") })?;
+        let root: Value =
+            serde_json::from_str(text).map_err(|e| Error::Config { field: "config.json".into(), msg: format!("invalid JSON: {e}") })?;
         let top_type = root.get("model_type").and_then(Value::as_str).unwrap_or("");
         let text_value = root.get("text_config").cloned().unwrap_or_else(|| root.clone());
-        let raw: RawText = serde_json::from_value(text_value)
-            .map_err(|e| field("text_config", format!("unexpected value: {e}")))?;
+        let raw: RawText = serde_json::from_value(text_value).map_err(|e| field("text_config", format!("unexpected value: {e}")))?;
         let inner_type = raw.model_type.as_deref().unwrap_or("");
         let family = match (top_type, inner_type) {
             ("qwen3_5_moe", _) | ("qwen3_5_moe_text", _) | ("", "qwen3_5_moe_text") => Family::Qwen35Moe,
             ("qwen3_next", _) => Family::Qwen3Next,
             (t, _) => {
-                return Err(field(
-                    "model_type",
-                    format!("`{t}` is not supported (expected qwen3_5_moe, qwen3_5_moe_text or qwen3_next)"),
-                ));
+                return Err(field("model_type", format!("`{t}` is not supported (expected qwen3_5_moe, qwen3_5_moe_text or qwen3_next)")));
             }
         };
         let mut cfg = Self::from_raw(family, raw)?;
@@ -214,10 +209,10 @@ impl ModelConfig {
         let hidden_size = req(r.hidden_size, "hidden_size")?;
         let num_layers = req(r.num_hidden_layers, "num_hidden_layers")?;
         let vocab_size = req(r.vocab_size, "vocab_size")?;
-        if let Some(act) = &r.hidden_act {
-            if act != "silu" {
-                return Err(field("hidden_act", format!("`{act}` is not supported (only silu)")));
-            }
+        if let Some(act) = &r.hidden_act
+            && act != "silu"
+        {
+            return Err(field("hidden_act", format!("`{act}` is not supported (only silu)")));
         }
         if r.attention_bias == Some(true) {
             return Err(field("attention_bias", "attention biases are not supported"));
@@ -226,10 +221,7 @@ impl ModelConfig {
         let layer_types = match (&r.layer_types, r.full_attention_interval) {
             (Some(list), _) => {
                 if list.len() != num_layers {
-                    return Err(field(
-                        "layer_types",
-                        format!("has {} entries but num_hidden_layers is {num_layers}", list.len()),
-                    ));
+                    return Err(field("layer_types", format!("has {} entries but num_hidden_layers is {num_layers}", list.len())));
                 }
                 list.iter()
                     .map(|t| match t.as_str() {
@@ -245,9 +237,7 @@ impl ModelConfig {
                     return Err(field("full_attention_interval", "must be positive"));
                 }
                 (0..num_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 { LayerKind::FullAttention } else { LayerKind::LinearAttention }
-                    })
+                    .map(|i| if (i + 1) % interval == 0 { LayerKind::FullAttention } else { LayerKind::LinearAttention })
                     .collect()
             }
         };
@@ -261,28 +251,19 @@ impl ModelConfig {
                 return Err(field(name, "must be at least 1"));
             }
         }
-        if num_heads % num_kv_heads != 0 {
-            return Err(field(
-                "num_key_value_heads",
-                format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
-            ));
+        if !num_heads.is_multiple_of(num_kv_heads) {
+            return Err(field("num_key_value_heads", format!("{num_kv_heads} does not divide num_attention_heads {num_heads}")));
         }
         let (rope_theta, partial) = rope_of(&r)?;
         let rotary_dim = (head_dim as f64 * partial) as usize;
-        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(field(
                 "partial_rotary_factor",
                 format!("gives a rotary dim of {rotary_dim} for head_dim {head_dim}; it must be even and in 2..=head_dim"),
             ));
         }
-        let attention = AttentionDims {
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            rotary_dim,
-            rope_theta,
-            output_gate: r.attn_output_gate.unwrap_or(true),
-        };
+        let attention =
+            AttentionDims { num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, output_gate: r.attn_output_gate.unwrap_or(true) };
 
         // Gated DeltaNet.
         let deltanet = DeltaNetDims {
@@ -306,10 +287,7 @@ impl ModelConfig {
         if !deltanet.num_v_heads.is_multiple_of(deltanet.num_k_heads) {
             return Err(field(
                 "linear_num_value_heads",
-                format!(
-                    "{} is not a multiple of linear_num_key_heads {}",
-                    deltanet.num_v_heads, deltanet.num_k_heads
-                ),
+                format!("{} is not a multiple of linear_num_key_heads {}", deltanet.num_v_heads, deltanet.num_k_heads),
             ));
         }
 
@@ -320,10 +298,7 @@ impl ModelConfig {
             return Err(field("num_experts", "must be at least 1"));
         }
         if top_k == 0 || top_k > num_experts {
-            return Err(field(
-                "num_experts_per_tok",
-                format!("{top_k} experts per token with {num_experts} experts"),
-            ));
+            return Err(field("num_experts_per_tok", format!("{top_k} experts per token with {num_experts} experts")));
         }
         let moe = MoeDims {
             num_experts,
@@ -410,7 +385,10 @@ impl ModelConfig {
             return Err(field("num_key_value_heads", format!("{} does not divide num_attention_heads {}", a.num_kv_heads, a.num_heads)));
         }
         if !d.num_v_heads.is_multiple_of(d.num_k_heads) {
-            return Err(field("linear_num_value_heads", format!("{} is not a multiple of linear_num_key_heads {}", d.num_v_heads, d.num_k_heads)));
+            return Err(field(
+                "linear_num_value_heads",
+                format!("{} is not a multiple of linear_num_key_heads {}", d.num_v_heads, d.num_k_heads),
+            ));
         }
         // The largest tensors and per-sequence states, in elements; each must fit with room for
         // 4-byte elements and the products built from them.
@@ -468,21 +446,14 @@ fn rope_of(r: &RawText) -> Result<(f64, f64)> {
         _ => return Err(field("rope_parameters", "expected an object")),
     };
     let get_f = |k: &str| params.as_ref().and_then(|p| p.get(k)).and_then(Value::as_f64);
-    let rope_type = params
-        .as_ref()
-        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let rope_type = params.as_ref().and_then(|p| p.get("rope_type").or_else(|| p.get("type"))).and_then(Value::as_str).unwrap_or("default");
     // Interleaved MRoPE reduces exactly to 1-D RoPE for text-only input (docs/model.md §4).
     if !matches!(rope_type, "default" | "mrope") {
-        return Err(field(
-            "rope_parameters.rope_type",
-            format!("`{rope_type}` rope scaling is not supported (only default RoPE)"),
-        ));
+        return Err(field("rope_parameters.rope_type", format!("`{rope_type}` rope scaling is not supported (only default RoPE)")));
     }
     let theta = get_f("rope_theta").or(r.rope_theta).unwrap_or(10_000.0);
     let partial = get_f("partial_rotary_factor").or(r.partial_rotary_factor).unwrap_or(0.25);
-    if !(theta > 0.0) {
+    if theta.is_nan() || theta <= 0.0 {
         return Err(field("rope_theta", "must be positive"));
     }
     if !(partial > 0.0 && partial <= 1.0) {

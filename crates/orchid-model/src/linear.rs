@@ -63,9 +63,7 @@ impl LinearWeight {
         assert!(r.end <= self.rows);
         let (m, s) = self.row_bytes();
         let data = match &self.data {
-            WeightData::Dense { data, dtype } => {
-                WeightData::Dense { data: data.slice(r.start * m..r.end * m), dtype: *dtype }
-            }
+            WeightData::Dense { data, dtype } => WeightData::Dense { data: data.slice(r.start * m..r.end * m), dtype: *dtype },
             WeightData::Affine(a) => WeightData::Affine(AffineWeight {
                 packed: a.packed.slice(r.start * m..r.end * m),
                 scales: a.scales.slice(r.start * s..r.end * s),
@@ -121,9 +119,7 @@ impl LinearWeight {
             },
             WeightData::Affine(a0) => {
                 let aff = |p: &LinearWeight| match &p.data {
-                    WeightData::Affine(a) if a.bits == a0.bits && a.group == a0.group && a.sb_dtype == a0.sb_dtype => {
-                        a.clone()
-                    }
+                    WeightData::Affine(a) if a.bits == a0.bits && a.group == a0.group && a.sb_dtype == a0.sb_dtype => a.clone(),
                     _ => panic!("concat_rows: mixed formats"),
                 };
                 WeightData::Affine(AffineWeight {
@@ -150,10 +146,8 @@ impl LinearWeight {
                 let mut bi = vec![0f32; ng];
                 dtype::to_f32_into(a.sb_dtype, &a.scales.as_slice()[r * s..(r + 1) * s], &mut sc);
                 dtype::to_f32_into(a.sb_dtype, &a.biases.as_slice()[r * s..(r + 1) * s], &mut bi);
-                let words: Vec<u32> = a.packed.as_slice()[r * m..(r + 1) * m]
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
+                let words: Vec<u32> =
+                    a.packed.as_slice()[r * m..(r + 1) * m].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 crate::quant::dequant_row(&words, &sc, &bi, a.bits, a.group, out);
             }
         }

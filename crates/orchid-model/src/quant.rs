@@ -25,7 +25,7 @@ pub fn dequant_row(packed: &[u32], scales: &[f32], biases: &[f32], bits: u32, gr
 /// returns (packed words, scales, biases) with scales/biases in f32 (the caller rounds them to
 /// the storage dtype).
 pub fn quantize_row(w: &[f32], bits: u32, group: usize) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
-    assert!(w.len() % group == 0 && group % (32 / bits as usize) == 0);
+    assert!(w.len().is_multiple_of(group) && group.is_multiple_of(32 / bits as usize));
     let n_bins = ((1u32 << bits) - 1) as f32;
     let per_word = (32 / bits) as usize;
     let mut packed = Vec::with_capacity(w.len() / per_word);

@@ -122,8 +122,7 @@ impl SafetensorsFile {
             }
             let terr = |msg: String| Error::tensor(path, &name, msg);
             let dtype_s = entry.get("dtype").and_then(Value::as_str).ok_or_else(|| terr("no dtype".into()))?;
-            let dtype =
-                DType::from_safetensors(dtype_s).ok_or_else(|| terr(format!("unknown dtype `{dtype_s}`")))?;
+            let dtype = DType::from_safetensors(dtype_s).ok_or_else(|| terr(format!("unknown dtype `{dtype_s}`")))?;
             let shape = entry
                 .get("shape")
                 .and_then(Value::as_array)
@@ -141,22 +140,13 @@ impl SafetensorsFile {
             let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
             let want = numel.and_then(|n| n.checked_mul(dtype.size())).ok_or_else(|| terr("shape overflows".into()))?;
             if offs.0 > offs.1 || offs.1 - offs.0 != want {
-                return Err(terr(format!(
-                    "data_offsets {:?} do not match shape {shape:?} of {dtype:?} ({want} bytes)",
-                    offs
-                )));
+                return Err(terr(format!("data_offsets {:?} do not match shape {shape:?} of {dtype:?} ({want} bytes)", offs)));
             }
             if offs.1 > data_len {
-                return Err(terr(format!(
-                    "truncated file: tensor data ends at byte {} but the file holds {data_len} data bytes",
-                    offs.1
-                )));
+                return Err(terr(format!("truncated file: tensor data ends at byte {} but the file holds {data_len} data bytes", offs.1)));
             }
             let bytes = Bytes::from_shared(data.clone(), header_end + offs.0..header_end + offs.1);
-            tensors.insert(
-                name.clone(),
-                TensorView { name, dtype, shape, bytes, file: path_arc.clone() },
-            );
+            tensors.insert(name.clone(), TensorView { name, dtype, shape, bytes, file: path_arc.clone() });
         }
         Ok(SafetensorsFile { path: path_arc, tensors, metadata })
     }
@@ -197,7 +187,7 @@ pub fn write(path: &Path, tensors: &[OutTensor], metadata: &Map<String, Value>) 
         off += t.data.len();
     }
     let mut h = serde_json::to_vec(&Value::Object(header)).expect("header serializes");
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut f = std::io::BufWriter::with_capacity(1 << 22, std::fs::File::create(path).map_err(io)?);

@@ -47,11 +47,7 @@ impl Bytes {
     /// Reinterprets as a slice of `T` when aligned; otherwise copies into an aligned buffer.
     pub fn aligned<T: bytemuck::Pod>(&self) -> Bytes {
         let s = self.as_slice();
-        if (s.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
-            self.clone()
-        } else {
-            Bytes::from_vec(s.to_vec())
-        }
+        if (s.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) { self.clone() } else { Bytes::from_vec(s.to_vec()) }
     }
 
     /// Typed view; panics if misaligned (call [`Bytes::aligned`] first when loading).

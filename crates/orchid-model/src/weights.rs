@@ -68,6 +68,7 @@ pub struct HostDeltaNet {
     pub norm: Vec<f32>,
 }
 
+#[allow(clippy::large_enum_variant)] // one per layer, built once at load
 pub enum HostFfn {
     Moe(HostMoe),
     Dense(HostMlp),
@@ -209,22 +210,26 @@ impl Loader<'_> {
         let h = self.cfg.hidden_size;
         let (kd, vd, hv) = (d.key_dim(), d.value_dim(), d.num_v_heads);
         let la = format!("{p}linear_attn.");
-        let (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) =
-            if self.has_module(&format!("{la}in_proj_qkvz")) {
-                // Qwen3-Next: per key-head groups [q_g | k_g | v_g (r·dv) | z_g (r·dv)] and [b_g (r) | a_g (r)].
-                let qkvz = self.linear(&format!("{la}in_proj_qkvz"), 2 * kd + 2 * vd, h)?;
-                let ba = self.linear(&format!("{la}in_proj_ba"), 2 * hv, h)?;
-                let qkvz = qkvz.permute_rows(&qwen3_next_qkvz_order(d));
-                let ba = ba.permute_rows(&qwen3_next_ba_order(d));
-                (qkvz.rows_range(0..2 * kd + vd), qkvz.rows_range(2 * kd + vd..2 * kd + 2 * vd), ba.rows_range(0..hv), ba.rows_range(hv..2 * hv))
-            } else {
-                (
-                    self.linear(&format!("{la}in_proj_qkv"), d.conv_dim(), h)?,
-                    self.linear(&format!("{la}in_proj_z"), vd, h)?,
-                    self.linear(&format!("{la}in_proj_b"), hv, h)?,
-                    self.linear(&format!("{la}in_proj_a"), hv, h)?,
-                )
-            };
+        let (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) = if self.has_module(&format!("{la}in_proj_qkvz")) {
+            // Qwen3-Next: per key-head groups [q_g | k_g | v_g (r·dv) | z_g (r·dv)] and [b_g (r) | a_g (r)].
+            let qkvz = self.linear(&format!("{la}in_proj_qkvz"), 2 * kd + 2 * vd, h)?;
+            let ba = self.linear(&format!("{la}in_proj_ba"), 2 * hv, h)?;
+            let qkvz = qkvz.permute_rows(&qwen3_next_qkvz_order(d));
+            let ba = ba.permute_rows(&qwen3_next_ba_order(d));
+            (
+                qkvz.rows_range(0..2 * kd + vd),
+                qkvz.rows_range(2 * kd + vd..2 * kd + 2 * vd),
+                ba.rows_range(0..hv),
+                ba.rows_range(hv..2 * hv),
+            )
+        } else {
+            (
+                self.linear(&format!("{la}in_proj_qkv"), d.conv_dim(), h)?,
+                self.linear(&format!("{la}in_proj_z"), vd, h)?,
+                self.linear(&format!("{la}in_proj_b"), hv, h)?,
+                self.linear(&format!("{la}in_proj_a"), hv, h)?,
+            )
+        };
         // conv1d: HF [C, 1, K], MLX [C, K, 1]; both hold C×K taps in the same order.
         let conv_t = self.ck.require(&format!("{la}conv1d.weight"))?;
         conv_t.expect_float()?;
@@ -345,7 +350,7 @@ impl Loader<'_> {
             let (Some(&sc_cols), Some(&w_cols)) = (scales.shape.last(), w.shape.last()) else {
                 return Err(scales.err("scalar shape"));
             };
-            if sc_cols == 0 || cols % sc_cols != 0 {
+            if sc_cols == 0 || !cols.is_multiple_of(sc_cols) {
                 return Err(scales.err(format!("{sc_cols} groups do not divide {cols} input features")));
             }
             let group = cols / sc_cols;
@@ -353,7 +358,7 @@ impl Loader<'_> {
             if !SUPPORTED_BITS.contains(&bits) || w_cols * 32 != cols * bits as usize {
                 return Err(w.err(format!("{w_cols} packed words per row of {cols} inputs: unsupported bit width")));
             }
-            if group % (32 / bits as usize) != 0 {
+            if !group.is_multiple_of(32 / bits as usize) {
                 return Err(scales.err(format!("group size {group} does not pack into words of {bits}-bit values")));
             }
             w.expect_shape(&shape(w_cols))?;
@@ -375,9 +380,11 @@ impl Loader<'_> {
                 }),
             });
         }
-        let w = self.ck.get(&wname).or_else(|| self.ck.get(name)).ok_or_else(|| {
-            Error::tensor(&self.ck.dir, &wname, "missing from the checkpoint")
-        })?;
+        let w = self
+            .ck
+            .get(&wname)
+            .or_else(|| self.ck.get(name))
+            .ok_or_else(|| Error::tensor(&self.ck.dir, &wname, "missing from the checkpoint"))?;
         self.dense_view(w, e, rows, cols, &shape(cols))
     }
 

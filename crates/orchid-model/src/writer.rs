@@ -81,8 +81,7 @@ impl CheckpointWriter {
 /// Writes `config.json` (pretty, key order kept).
 pub fn write_config(dir: &Path, config: &Value) -> Result<()> {
     let p = dir.join("config.json");
-    std::fs::write(&p, serde_json::to_string_pretty(config).unwrap() + "\n")
-        .map_err(|e| Error::Io { path: p, msg: e.to_string() })
+    std::fs::write(&p, serde_json::to_string_pretty(config).unwrap() + "\n").map_err(|e| Error::Io { path: p, msg: e.to_string() })
 }
 
 /// The `quantization` block mlx-lm writes: defaults plus 8-bit overrides for the router and
@@ -92,8 +91,8 @@ pub fn mlx_quantization_block(prefix: &str, layers: usize, bits: u32, group: usi
     q.insert("group_size".into(), Value::from(group));
     q.insert("bits".into(), Value::from(bits));
     q.insert("mode".into(), Value::from("affine"));
-    for l in 0..layers {
-        if moe_layers[l] {
+    for (l, &moe) in moe_layers.iter().enumerate().take(layers) {
+        if moe {
             for m in ["mlp.gate", "mlp.shared_expert_gate"] {
                 q.insert(format!("{prefix}layers.{l}.{m}"), json!({ "group_size": 64, "bits": 8 }));
             }

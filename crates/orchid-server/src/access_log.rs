@@ -95,10 +95,7 @@ fn client_id(req: &Request) -> Option<String> {
 /// Middleware: request id in, request id out, one access-log line per request.
 pub async fn middleware(req: Request, next: Next) -> Response {
     let id = client_id(&req).unwrap_or_else(|| crate::openai::new_id("req-"));
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let route = req.extensions().get::<MatchedPath>().map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
     let log = Arc::new(RequestLog {
         id: id.clone(),
         method: req.method().to_string(),

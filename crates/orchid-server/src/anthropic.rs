@@ -138,7 +138,12 @@ fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
             Some("disabled") => {
                 chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": false}));
             }
-            _ => return Err(bad("thinking", "`thinking` must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": \"disabled\"}")),
+            _ => {
+                return Err(bad(
+                    "thinking",
+                    "`thinking` must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": \"disabled\"}",
+                ));
+            }
         },
     }
     let mut messages = Vec::new();
@@ -166,7 +171,10 @@ fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                let name = t.get("name").and_then(Value::as_str).ok_or_else(|| bad(&format!("tools[{i}].name"), format!("`tools[{i}].name` must be a string")))?;
+                let name = t
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad(&format!("tools[{i}].name"), format!("`tools[{i}].name` must be a string")))?;
                 let mut f = json!({"name": name, "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"}))});
                 if let Some(d) = t.get("description").filter(|d| !d.is_null()) {
                     f["description"] = d.clone();
@@ -185,7 +193,12 @@ fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
                 (Some("any"), _) => json!("required"),
                 (Some("none"), _) => json!("none"),
                 (Some("tool"), Some(name)) => json!({"type": "function", "function": {"name": name}}),
-                _ => return Err(bad("tool_choice", "`tool_choice` must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", \"name\": string}")),
+                _ => {
+                    return Err(bad(
+                        "tool_choice",
+                        "`tool_choice` must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", \"name\": string}",
+                    ));
+                }
             };
             if has_tools || choice == json!("none") || choice == json!("auto") {
                 chat.insert("tool_choice".into(), choice);
@@ -230,7 +243,11 @@ fn message(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiError> {
     let (mut text, mut thinking, mut calls) = (String::new(), String::new(), Vec::new());
     for (j, b) in blocks.iter().enumerate() {
         let bp = |f: &str| p(&format!(".content[{j}]{f}"));
-        let s = |k: &str| b.get(k).and_then(Value::as_str).ok_or_else(|| bad(&bp(&format!(".{k}")), format!("`{}` must be a string", bp(&format!(".{k}")))));
+        let s = |k: &str| {
+            b.get(k)
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(&bp(&format!(".{k}")), format!("`{}` must be a string", bp(&format!(".{k}")))))
+        };
         match (b.get("type").and_then(Value::as_str), role) {
             (Some("text"), _) => text.push_str(s("text")?),
             (Some("thinking"), "assistant") => thinking.push_str(s("thinking")?),
@@ -290,7 +307,8 @@ fn content_block(b: &Block, done: bool) -> Value {
         Kind::Text => json!({"type": "text", "text": if done { b.text.as_str() } else { "" }}),
         Kind::Call => {
             let (id, name) = b.call.clone().unwrap_or_default();
-            let input = if done { serde_json::from_str::<Value>(&b.text).ok().filter(Value::is_object).unwrap_or(json!({})) } else { json!({}) };
+            let input =
+                if done { serde_json::from_str::<Value>(&b.text).ok().filter(Value::is_object).unwrap_or(json!({})) } else { json!({}) };
             json!({"type": "tool_use", "id": id, "name": name, "input": input})
         }
     }
@@ -339,7 +357,9 @@ impl Message {
         changes
             .into_iter()
             .map(|c| match c {
-                Change::Open(i) => event("content_block_start", json!({"index": i, "content_block": content_block(&self.blocks.blocks[i], false)})),
+                Change::Open(i) => {
+                    event("content_block_start", json!({"index": i, "content_block": content_block(&self.blocks.blocks[i], false)}))
+                }
                 Change::Delta(i, d) => {
                     let delta = match self.blocks.blocks[i].kind {
                         Kind::Reasoning => json!({"type": "thinking_delta", "thinking": d}),

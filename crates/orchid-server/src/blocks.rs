@@ -122,7 +122,18 @@ mod tests {
         use Change::*;
         assert_eq!(
             ch,
-            vec![Open(0), Delta(0, "hm".into()), Delta(0, " ok".into()), Close(0), Open(1), Delta(1, "Hi".into()), Close(1), Open(2), Delta(2, "{}".into()), Close(2)]
+            vec![
+                Open(0),
+                Delta(0, "hm".into()),
+                Delta(0, " ok".into()),
+                Close(0),
+                Open(1),
+                Delta(1, "Hi".into()),
+                Close(1),
+                Open(2),
+                Delta(2, "{}".into()),
+                Close(2)
+            ]
         );
         assert_eq!(b.blocks[1].kind, Kind::Text);
         assert!(b.has_calls());

@@ -27,18 +27,13 @@ impl FromRequest<AppState> for JsonBody {
             return Err(ApiError::unsupported_media_type(ctype.as_deref()));
         }
         // Refuse a declared oversize body before reading any of it.
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::too_large(limit));
         }
         let timeout = st.config.body_timeout;
-        let read = tokio::time::timeout(timeout, Bytes::from_request(req, st))
-            .await
-            .map_err(|_| ApiError::body_timeout(timeout.as_secs_f64()))?;
+        let read =
+            tokio::time::timeout(timeout, Bytes::from_request(req, st)).await.map_err(|_| ApiError::body_timeout(timeout.as_secs_f64()))?;
         let bytes = read.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::too_large(limit)

@@ -112,7 +112,13 @@ fn render_with_plain_spans(
     Ok((text, Vec::new()))
 }
 
-pub(crate) fn plan(st: &AppState, template: &ChatTemplate, tok: &Tokenizer, req: &ChatRequest, max_context: usize) -> Result<Plan, ApiError> {
+pub(crate) fn plan(
+    st: &AppState,
+    template: &ChatTemplate,
+    tok: &Tokenizer,
+    req: &ChatRequest,
+    max_context: usize,
+) -> Result<Plan, ApiError> {
     let mut kwargs = req.template_kwargs.clone();
     // A forced call is started in the prompt (which steers the model), the grammar finishes it.
     let prefix = match &req.tool_choice {
@@ -124,11 +130,7 @@ pub(crate) fn plan(st: &AppState, template: &ChatTemplate, tok: &Tokenizer, req:
     if forced {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
-    let tools = if req.tool_choice == ToolChoice::None {
-        None
-    } else {
-        req.tools.as_deref()
-    };
+    let tools = if req.tool_choice == ToolChoice::None { None } else { req.tools.as_deref() };
     let add_prompt = req.add_generation_prompt && !req.continue_final_message;
     let (mut text, plain) = render_with_plain_spans(template, tok, &req.messages, tools, add_prompt, &kwargs)?;
     if req.continue_final_message {
@@ -145,11 +147,7 @@ pub(crate) fn plan(st: &AppState, template: &ChatTemplate, tok: &Tokenizer, req:
         }
     }
     text.push_str(&prefix);
-    let reasoning = if forced {
-        None
-    } else {
-        Some(prompt_opens_reasoning(&text))
-    };
+    let reasoning = if forced { None } else { Some(prompt_opens_reasoning(&text)) };
     let prompt = AppState::encode_prompt(tok, &text, false, &plain, max_context, "messages")?;
     let constraint = match (&req.tool_choice, &req.structured, tools) {
         (ToolChoice::Required | ToolChoice::Function(_), _, Some(t)) => {
@@ -184,23 +182,23 @@ pub(crate) fn chat_stop_ids(tok: &Tokenizer) -> Vec<u32> {
 /// vocabulary.
 pub(crate) fn check_extra_ids(x: &Extras, vocab: usize) -> Result<(), ApiError> {
     if let Some((i, id)) = x.stop_token_ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
-        return Err(ApiError::invalid(
-            format!("stop_token_ids[{i}]"),
-            format!("token id {id} is outside the vocabulary (size {vocab})"),
-        ));
+        return Err(ApiError::invalid(format!("stop_token_ids[{i}]"), format!("token id {id} is outside the vocabulary (size {vocab})")));
     }
     if let Some(id) = x.logit_bias.keys().find(|id| **id as usize >= vocab) {
-        return Err(ApiError::invalid(
-            format!("logit_bias.{id}"),
-            format!("token id {id} is outside the vocabulary (size {vocab})"),
-        ));
+        return Err(ApiError::invalid(format!("logit_bias.{id}"), format!("token id {id} is outside the vocabulary (size {vocab})")));
     }
     Ok(())
 }
 
 /// The engine request for a common request's settings: `end_ids` are the model's own
 /// end-of-turn ids (left out with `ignore_eos`); the request's `stop_token_ids` always stop.
-pub(crate) fn generate_request(c: &Common, prompt: Vec<u32>, max_tokens: usize, end_ids: Vec<u32>, logprobs: Option<usize>) -> GenerateRequest {
+pub(crate) fn generate_request(
+    c: &Common,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    end_ids: Vec<u32>,
+    logprobs: Option<usize>,
+) -> GenerateRequest {
     let x = &c.extras;
     let mut stop_ids = if x.ignore_eos { Vec::new() } else { end_ids };
     stop_ids.extend(x.stop_token_ids.iter().filter(|id| !stop_ids.contains(id)).copied().collect::<Vec<_>>());
@@ -250,10 +248,7 @@ pub(crate) async fn start_chat(st: &AppState, req: ChatRequest, arrived: Instant
     if req.common.extras.return_token_ids {
         return Err(ApiError::invalid("return_token_ids", "`return_token_ids` is supported on /v1/completions without streaming only"));
     }
-    let template = st
-        .template
-        .clone()
-        .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
+    let template = st.template.clone().ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
     let tok = st.tokenizer.clone();
     let max_context = info.max_context;
     let st2 = st.clone();
@@ -314,11 +309,7 @@ pub async fn chat_completions(State(st): State<AppState>, JsonBody(body): JsonBo
             ended: false,
         })
         .collect();
-    if c.stream {
-        Ok(into_sse(streams, meta, c.include_usage, totals))
-    } else {
-        collect(streams, &meta, &totals).await
-    }
+    if c.stream { Ok(into_sse(streams, meta, c.include_usage, totals)) } else { collect(streams, &meta, &totals).await }
 }
 
 /// Usage summed over the choices of one response (the prompt counted once).
@@ -438,10 +429,11 @@ fn into_sse(streams: Vec<ChatStream>, meta: Meta, include_usage: bool, totals: A
         s.queue.push_back(c);
         Box::pin(futures::stream::unfold(s, |mut s| async move { s.next_chunk().await.map(|c| (c, s)) }))
     }));
-    let usage = futures::stream::once(async move {
-        include_usage.then(|| types::usage_chunk(&meta, "chat.completion.chunk", lock(&totals).usage()))
-    })
-    .filter_map(futures::future::ready);
+    let usage =
+        futures::stream::once(
+            async move { include_usage.then(|| types::usage_chunk(&meta, "chat.completion.chunk", lock(&totals).usage())) },
+        )
+        .filter_map(futures::future::ready);
     sse_response(merged.chain(usage))
 }
 
@@ -471,14 +463,7 @@ impl ChatStream {
             }
             match self.run.step().await {
                 Step::Delta(d) => self.queue_delta(d),
-                Step::Finished {
-                    last,
-                    reason,
-                    stop_reason,
-                    prompt,
-                    cached,
-                    completion,
-                } => {
+                Step::Finished { last, reason, stop_reason, prompt, cached, completion } => {
                     self.ended = true;
                     self.queue_delta(last);
                     let reason = self.run.finish_reason(reason);
@@ -525,11 +510,7 @@ impl ChatStream {
         }
         deltas.extend(calls.iter().map(|t| json!({"tool_calls": [types::tool_call_delta(t)]})));
         for (k, delta) in deltas.into_iter().enumerate() {
-            let lp = if k == 0 {
-                std::mem::take(&mut self.pending_logprobs)
-            } else {
-                Vec::new()
-            };
+            let lp = if k == 0 { std::mem::take(&mut self.pending_logprobs) } else { Vec::new() };
             let lp = types::chat_logprobs(&self.run.st.tokenizer, self.logprobs && !lp.is_empty(), &lp);
             let c = chunk(self, delta, None, lp, None);
             self.queue.push_back(c);
@@ -545,14 +526,7 @@ impl ChatStream {
         let (reason, stop_reason, prompt, cached, completion) = loop {
             match self.run.step().await {
                 Step::Delta(d) => absorb(&mut all, &mut calls, d),
-                Step::Finished {
-                    last,
-                    reason,
-                    stop_reason,
-                    prompt,
-                    cached,
-                    completion,
-                } => {
+                Step::Finished { last, reason, stop_reason, prompt, cached, completion } => {
                     absorb(&mut all, &mut calls, last);
                     break (reason, stop_reason, prompt, cached, completion);
                 }

@@ -50,12 +50,7 @@ impl ChatOutput {
             primed = p.push(&prefix);
             p
         });
-        ChatOutput {
-            reasoning,
-            tools,
-            primed,
-            reasoning_tokens: 0,
-        }
+        ChatOutput { reasoning, tools, primed, reasoning_tokens: 0 }
     }
 
     /// A generated token's text.
@@ -177,10 +172,7 @@ mod tests {
 
     #[test]
     fn forced_named_call() {
-        let out = ChatOutput::new(
-            ReasoningParser::disabled(),
-            Some((schemas(), "<tool_call>\n<function=add>\n".into())),
-        );
+        let out = ChatOutput::new(ReasoningParser::disabled(), Some((schemas(), "<tool_call>\n<function=add>\n".into())));
         let (r, c, calls, _) = run(out, &["<parameter=a>\n1\n</parameter>\n", "</function>\n</tool_call>"]);
         assert_eq!((r.as_str(), c.as_str()), ("", ""));
         assert_eq!(calls, vec![("add".to_string(), "{\"a\": 1}".to_string())]);
@@ -196,15 +188,9 @@ mod tests {
 
     #[test]
     fn detects_opened_reasoning() {
-        assert!(prompt_opens_reasoning(
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
-        ));
-        assert!(!prompt_opens_reasoning(
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-        ));
-        assert!(!prompt_opens_reasoning(
-            "<|im_start|>assistant\n<think>\nx\n</think>\n\ny<|im_end|>\n<|im_start|>assistant\n"
-        ));
+        assert!(prompt_opens_reasoning("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"));
+        assert!(!prompt_opens_reasoning("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+        assert!(!prompt_opens_reasoning("<|im_start|>assistant\n<think>\nx\n</think>\n\ny<|im_end|>\n<|im_start|>assistant\n"));
         assert!(!prompt_opens_reasoning("plain"));
     }
 }

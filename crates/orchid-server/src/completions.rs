@@ -32,25 +32,23 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
     let prompt = req.prompt.clone();
     let max_context = info.max_context;
     let (st2, structured) = (st.clone(), req.structured.clone());
-    let (ids, prompt_text, constraint) = st.blocking(move || {
-        let constraint = structured.map(|s| st2.compile_grammar(&s.field, &s.spec)).transpose()?;
-        match prompt {
-            Prompt::Text(t) => {
-                let ids = AppState::encode_prompt(&tok, &t, true, &[], max_context, "prompt")?;
-                Ok((ids, t, constraint))
+    let (ids, prompt_text, constraint) = st
+        .blocking(move || {
+            let constraint = structured.map(|s| st2.compile_grammar(&s.field, &s.spec)).transpose()?;
+            match prompt {
+                Prompt::Text(t) => {
+                    let ids = AppState::encode_prompt(&tok, &t, true, &[], max_context, "prompt")?;
+                    Ok((ids, t, constraint))
+                }
+                Prompt::Tokens(ids) => {
+                    let text = tok.decode(&ids, false);
+                    Ok((ids, text, constraint))
+                }
             }
-            Prompt::Tokens(ids) => {
-                let text = tok.decode(&ids, false);
-                Ok((ids, text, constraint))
-            }
-        }
-    })
-    .await?;
+        })
+        .await?;
     if let Some(bad) = ids.iter().find(|&&id| id as usize >= info.vocab_size) {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("token id {bad} is outside the vocabulary (size {})", info.vocab_size),
-        ));
+        return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary (size {})", info.vocab_size)));
     }
     if ids.len() >= info.max_context {
         return Err(ApiError::context_length("prompt", ids.len(), info.max_context));

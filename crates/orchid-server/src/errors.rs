@@ -26,14 +26,7 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-            kind,
-            param: None,
-            code,
-            retry_after: None,
-        }
+        ApiError { status, message: message.into(), kind, param: None, code, retry_after: None }
     }
 
     /// 400: a field has an invalid value (names the field).
@@ -121,12 +114,7 @@ impl ApiError {
 
     /// 404: no such route.
     pub fn route_not_found(method: &str, path: &str) -> ApiError {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            Some("not_found"),
-            format!("Unknown route: {method} {path}"),
-        )
+        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), format!("Unknown route: {method} {path}"))
     }
 
     pub fn method_not_allowed(method: &str, path: &str) -> ApiError {

@@ -32,16 +32,7 @@ impl Generation {
         if let Some(l) = &log {
             l.prompt(prompt_tokens);
         }
-        Generation {
-            log,
-            rx,
-            st,
-            arrived,
-            last_token: None,
-            prompt_tokens,
-            ended: false,
-            recorded: false,
-        }
+        Generation { log, rx, st, arrived, last_token: None, prompt_tokens, ended: false, recorded: false }
     }
 
     /// The next engine event; `None` after the last one. An engine that goes away without a
@@ -50,11 +41,7 @@ impl Generation {
         if self.ended {
             return None;
         }
-        let ev = self
-            .rx
-            .recv()
-            .await
-            .unwrap_or_else(|| Event::Error("the engine stopped unexpectedly".into()));
+        let ev = self.rx.recv().await.unwrap_or_else(|| Event::Error("the engine stopped unexpectedly".into()));
         let now = Instant::now();
         let m = &self.st.metrics;
         match &ev {

@@ -45,8 +45,8 @@ pub mod server;
 pub mod sse;
 pub mod state;
 pub mod structured;
-pub mod tool_parser;
 pub mod tokenize;
+pub mod tool_parser;
 pub mod tool_schema;
 pub mod vllm_metrics;
 

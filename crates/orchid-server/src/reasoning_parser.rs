@@ -41,20 +41,13 @@ pub struct ReasoningParser {
 impl ReasoningParser {
     /// `in_reasoning`: the prompt already opened `<think>` (see the module docs).
     pub fn new(in_reasoning: bool) -> ReasoningParser {
-        let state = if in_reasoning {
-            State::Reasoning { trim_start: true }
-        } else {
-            State::Start
-        };
+        let state = if in_reasoning { State::Reasoning { trim_start: true } } else { State::Start };
         ReasoningParser { state, buf: String::new() }
     }
 
     /// A parser that never finds reasoning (everything is content).
     pub fn disabled() -> ReasoningParser {
-        ReasoningParser {
-            state: State::Content { trim_start: false },
-            buf: String::new(),
-        }
+        ReasoningParser { state: State::Content { trim_start: false }, buf: String::new() }
     }
 
     /// Whether text fed now would count as reasoning (used to count reasoning tokens).
@@ -132,11 +125,7 @@ impl ReasoningParser {
             State::Start => push_piece(&mut out, Piece::Content(rest)),
             State::Reasoning { .. } => push_piece(&mut out, Piece::Reasoning(rest)),
             State::Content { trim_start } => {
-                let rest = if trim_start {
-                    rest.trim_start_matches('\n').to_string()
-                } else {
-                    rest
-                };
+                let rest = if trim_start { rest.trim_start_matches('\n').to_string() } else { rest };
                 push_piece(&mut out, Piece::Content(rest))
             }
         }
@@ -153,10 +142,7 @@ fn push_piece(out: &mut Vec<Piece>, p: Piece) {
 
 /// Length of the longest proper prefix of `tag` that `text` ends with (0 if none).
 pub(crate) fn partial_tag_suffix(text: &str, tag: &str) -> usize {
-    (1..tag.len())
-        .rev()
-        .find(|&n| tag.is_char_boundary(n) && text.ends_with(&tag[..n]))
-        .unwrap_or(0)
+    (1..tag.len()).rev().find(|&n| tag.is_char_boundary(n) && text.ends_with(&tag[..n])).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -193,11 +179,7 @@ mod tests {
 
     #[test]
     fn prompt_opened_reasoning() {
-        all_splits(
-            true,
-            "Let me think.\nTwo lines.\n</think>\n\nThe answer is 4.",
-            ("Let me think.\nTwo lines.", "The answer is 4."),
-        );
+        all_splits(true, "Let me think.\nTwo lines.\n</think>\n\nThe answer is 4.", ("Let me think.\nTwo lines.", "The answer is 4."));
         // Leading framing newline dropped; a second one is kept as text.
         all_splits(true, "\nabc\n</think>\n\nx", ("abc", "x"));
         // No `</think>` (ran out of tokens): everything is reasoning.

@@ -86,7 +86,10 @@ fn bad(param: &str, message: impl Into<String>) -> ApiError {
 fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     let on = |k: &str| body.get(k).is_some_and(|v| !v.is_null() && v != &Value::Bool(false));
     if on("store") {
-        return Err(bad("store", "`store: true` is not supported: this server is stateless (responses are not stored); send `store: false`"));
+        return Err(bad(
+            "store",
+            "`store: true` is not supported: this server is stateless (responses are not stored); send `store: false`",
+        ));
     }
     for k in ["previous_response_id", "conversation"] {
         if on(k) {
@@ -103,7 +106,18 @@ fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
         }
     }
     // vLLM-style extras pass through unchanged.
-    for k in ["top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "min_tokens", "thinking_token_budget", "chat_template_kwargs"] {
+    for k in [
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "min_tokens",
+        "thinking_token_budget",
+        "chat_template_kwargs",
+    ] {
         if let Some(v) = body.get(k) {
             chat.insert(k.into(), v.clone());
         }
@@ -158,7 +172,9 @@ fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
             (Some("function"), Some(name)) => {
                 chat.insert("tool_choice".into(), json!({"type": "function", "function": {"name": name}}));
             }
-            _ => return Err(bad("tool_choice", "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": string}")),
+            _ => {
+                return Err(bad("tool_choice", "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": string}"));
+            }
         },
         Some(_) => return Err(bad("tool_choice", "`tool_choice` must be a string or an object")),
     }
@@ -186,11 +202,8 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), A
     let p = |f: &str| format!("input[{i}]{f}");
     let Value::Object(o) = item else { return Err(bad(&p(""), format!("`input[{i}]` must be an object"))) };
     let kind = o.get("type").and_then(Value::as_str).unwrap_or("message");
-    let str_field = |k: &str| {
-        o.get(k)
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad(&p(&format!(".{k}")), format!("`input[{i}].{k}` must be a string")))
-    };
+    let str_field =
+        |k: &str| o.get(k).and_then(Value::as_str).ok_or_else(|| bad(&p(&format!(".{k}")), format!("`input[{i}].{k}` must be a string")));
     match kind {
         "message" => {
             let role = str_field("role")?;
@@ -239,12 +252,9 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), A
         "function_call_output" => {
             let output = match o.get("output") {
                 Some(Value::String(s)) => s.clone(),
-                Some(v @ Value::Array(_)) => v
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|x| x.get("text").and_then(Value::as_str))
-                    .collect::<String>(),
+                Some(v @ Value::Array(_)) => {
+                    v.as_array().into_iter().flatten().filter_map(|x| x.get("text").and_then(Value::as_str)).collect::<String>()
+                }
                 _ => return Err(bad(&p(".output"), format!("`input[{i}].output` must be a string"))),
             };
             messages.push(json!({"role": "tool", "tool_call_id": str_field("call_id")?, "content": output}));
@@ -260,7 +270,12 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), A
                 .join("\n");
             messages.push(json!({"role": "assistant", "content": "", "reasoning_content": text}));
         }
-        other => return Err(bad(&p(".type"), format!("input item type `{other}` is not supported (message, function_call, function_call_output, reasoning)"))),
+        other => {
+            return Err(bad(
+                &p(".type"),
+                format!("input item type `{other}` is not supported (message, function_call, function_call_output, reasoning)"),
+            ));
+        }
     }
     Ok(())
 }

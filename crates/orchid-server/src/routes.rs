@@ -47,9 +47,7 @@ fn with_layers(routes: Router<AppState>, st: AppState) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(st.clone(), check_api_key))
         // Outermost first: count every response, including those made from panics.
-        .layer(CatchPanicLayer::custom(|p: Box<dyn std::any::Any + Send>| {
-            ApiError::from_panic(p.as_ref()).into_response()
-        }))
+        .layer(CatchPanicLayer::custom(|p: Box<dyn std::any::Any + Send>| ApiError::from_panic(p.as_ref()).into_response()))
         .layer(middleware::from_fn_with_state(st.clone(), count_requests))
         // Preflights are answered here, before the key check (browsers send no key with them).
         .layer(cors(&st.config.allowed_origins))
@@ -100,11 +98,7 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn count_requests(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    let endpoint = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or("unmatched", |p| p.as_str())
-        .to_string();
+    let endpoint = req.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     let resp = next.run(req).await;
     st.metrics.record_request(&endpoint, resp.status().as_u16());
     resp
@@ -152,10 +146,7 @@ async fn metrics(State(st): State<AppState>) -> Response {
     let mut text = st.metrics.render(st.engine.stats(), info.as_ref(), st.engine.options().max_seqs);
     crate::vllm_metrics::render(&st.metrics, st.engine.stats(), st.engine.options().max_seqs, &st.config.model_id, &mut text);
     let mut resp = text.into_response();
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-    );
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
     resp
 }
 

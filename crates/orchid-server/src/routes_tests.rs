@@ -24,13 +24,7 @@ fn assets() -> PathBuf {
 fn state() -> AppState {
     let tok = Arc::new(Tokenizer::from_dir(&assets()).unwrap());
     let template = Arc::new(ChatTemplate::from_dir(&assets()).unwrap());
-    let opts = EngineOptions {
-        max_seqs: 2,
-        max_context: 64,
-        prefill_chunk: 16,
-        max_queue: 2,
-        ..Default::default()
-    };
+    let opts = EngineOptions { max_seqs: 2, max_context: 64, prefill_chunk: 16, max_queue: 2, ..Default::default() };
     let engine = spawn::<orchid_cpu::CpuBackend, _>(opts, tok.clone(), || Err(anyhow::anyhow!("no model in unit tests")));
     let mut cfg = ServerConfig::new("test-model");
     cfg.max_body_bytes = 4096;
@@ -80,14 +74,8 @@ async fn health_models_and_metrics_while_not_loaded() {
     assert!(h["content-type"].to_str().unwrap().starts_with("text/plain"));
     let text = v.as_str().unwrap();
     assert!(text.contains("orchid_model_loaded 0"), "{text}");
-    assert!(
-        text.contains("orchid_requests_total{endpoint=\"/v1/models\",status=\"200\"} 1"),
-        "{text}"
-    );
-    assert!(
-        text.contains("orchid_requests_total{endpoint=\"/v1/models/{*model}\",status=\"404\"} 1"),
-        "{text}"
-    );
+    assert!(text.contains("orchid_requests_total{endpoint=\"/v1/models\",status=\"200\"} 1"), "{text}");
+    assert!(text.contains("orchid_requests_total{endpoint=\"/v1/models/{*model}\",status=\"404\"} 1"), "{text}");
 }
 
 #[tokio::test]
@@ -109,40 +97,16 @@ async fn error_envelopes() {
     let (s, v, _) = call(app.clone(), "POST", chat, Some("[1, 2]")).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_envelope(&v, None);
-    let (s, v, _) = call(
-        app.clone(),
-        "POST",
-        chat,
-        Some(&format!("{{\"messages\": \"{}\"}}", "x".repeat(5000))),
-    )
-    .await;
+    let (s, v, _) = call(app.clone(), "POST", chat, Some(&format!("{{\"messages\": \"{}\"}}", "x".repeat(5000)))).await;
     assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
     assert_envelope(&v, None);
-    let (s, v, _) = call(
-        app.clone(),
-        "POST",
-        chat,
-        Some(r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}"#),
-    )
-    .await;
+    let (s, v, _) = call(app.clone(), "POST", chat, Some(r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}"#)).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_envelope(&v, Some("temperature"));
-    let (s, v, _) = call(
-        app.clone(),
-        "POST",
-        chat,
-        Some(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 300}"#),
-    )
-    .await;
+    let (s, v, _) = call(app.clone(), "POST", chat, Some(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 300}"#)).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_envelope(&v, Some("n"));
-    let (s, v, _) = call(
-        app.clone(),
-        "POST",
-        chat,
-        Some(r#"{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}"#),
-    )
-    .await;
+    let (s, v, _) = call(app.clone(), "POST", chat, Some(r#"{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}"#)).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     assert_envelope(&v, Some("model"));
     assert_eq!(v["error"]["code"], "model_not_found");
@@ -176,11 +140,7 @@ async fn panics_become_500_and_the_server_keeps_serving() {
     let (s, _, _) = call(app.clone(), "GET", "/v1/models", None).await;
     assert_eq!(s, StatusCode::OK);
     let (_, m, _) = call(app, "GET", "/metrics", None).await;
-    assert!(
-        m.as_str()
-            .unwrap()
-            .contains("orchid_requests_total{endpoint=\"/boom\",status=\"500\"} 1")
-    );
+    assert!(m.as_str().unwrap().contains("orchid_requests_total{endpoint=\"/boom\",status=\"500\"} 1"));
 }
 
 #[tokio::test]

@@ -61,11 +61,7 @@ async fn serve_until(
     hurry: Arc<Notify>,
 ) -> Result<()> {
     let addr = listener.local_addr()?;
-    tracing::info!(
-        "listening on http://{addr} (loading {} from {})",
-        st.config.model_id,
-        st.config.model_path
-    );
+    tracing::info!("listening on http://{addr} (loading {} from {})", st.config.model_id, st.config.model_path);
 
     // Stop: set by a shutdown request, or by a failed model load.
     let (stop_tx, mut stop_rx) = watch::channel(false);

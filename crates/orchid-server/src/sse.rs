@@ -133,10 +133,7 @@ mod tests {
     async fn events_then_done() {
         let resp = sse_response(futures::stream::iter(vec![json!({"a": 1}), json!({"b": "x\ny"})]));
         assert_eq!(resp.headers()[header::CONTENT_TYPE], "text/event-stream");
-        assert_eq!(
-            body_text(resp).await,
-            "data: {\"a\":1}\n\ndata: {\"b\":\"x\\ny\"}\n\ndata: [DONE]\n\n"
-        );
+        assert_eq!(body_text(resp).await, "data: {\"a\":1}\n\ndata: {\"b\":\"x\\ny\"}\n\ndata: [DONE]\n\n");
     }
 
     #[tokio::test]

@@ -1,8 +1,8 @@
 //! What every handler shares: the engine handle, tokenizer, chat template, configuration,
 //! metrics and the shutdown flag.
 
-use std::sync::{Arc, OnceLock};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use orchid_engine::constraint::{Constraint, Grammars};
@@ -125,7 +125,14 @@ impl AppState {
     /// bytes against the longest token, then (for long texts) a count over pieces that stops
     /// as soon as the limit is passed. `plain`: byte ranges whose special tokens are plain text
     /// (see [`Tokenizer::encode_with_plain`]). Runs on a blocking thread.
-    pub fn encode_prompt(tok: &Tokenizer, text: &str, add_special: bool, plain: &[std::ops::Range<usize>], max_context: usize, param: &str) -> Result<Vec<u32>, ApiError> {
+    pub fn encode_prompt(
+        tok: &Tokenizer,
+        text: &str,
+        add_special: bool,
+        plain: &[std::ops::Range<usize>],
+        max_context: usize,
+        param: &str,
+    ) -> Result<Vec<u32>, ApiError> {
         let fail = |e: anyhow::Error| ApiError::internal(format!("tokenizing the prompt failed: {e:#}"));
         // Normalization can change byte counts a little; a factor of 2 keeps the bound safe.
         let at_least = text.len() / (2 * tok.longest_token_bytes());
@@ -167,9 +174,7 @@ impl AppState {
         if self.is_shutting_down() {
             return Err(ApiError::unavailable("The server is shutting down."));
         }
-        self.engine
-            .info()
-            .ok_or_else(|| ApiError::unavailable("The model is still loading."))
+        self.engine.info().ok_or_else(|| ApiError::unavailable("The model is still loading."))
     }
 
     /// Queues a generation; `arrived` is when the HTTP request came in (for latency metrics).
@@ -204,7 +209,8 @@ impl AppState {
     /// Runs CPU-bound request preparation (template rendering, tokenizing) off the async
     /// workers, at most `tokenize_concurrency` at once; a panic there becomes a 500.
     pub async fn blocking<T: Send + 'static>(&self, f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-        let permit = self.prepare_permits.clone().acquire_owned().await.map_err(|_| ApiError::unavailable("The server is shutting down."))?;
+        let permit =
+            self.prepare_permits.clone().acquire_owned().await.map_err(|_| ApiError::unavailable("The server is shutting down."))?;
         let run = move || {
             let r = f();
             drop(permit);

@@ -123,7 +123,12 @@ fn tool_grammar_has_the_template_format() {
 #[test]
 fn forced_calls_parse_and_follow_the_schema() {
     let (tok, g) = qwen();
-    let cases = [(Some("get_weather"), false, ""), (None, false, "<tool_call>\n<function="), (None, true, ""), (Some("ping"), true, "<tool_call>\n<function=ping>\n")];
+    let cases = [
+        (Some("get_weather"), false, ""),
+        (None, false, "<tool_call>\n<function="),
+        (None, true, ""),
+        (Some("ping"), true, "<tool_call>\n<function=ping>\n"),
+    ];
     for (only, parallel, prefix) in cases {
         let grammar = tool_call_grammar(&tools(), only, parallel, prefix);
         let c = g.compile(&GrammarSpec::Lark(grammar.clone())).unwrap_or_else(|e| panic!("{e}\n{grammar}"));

@@ -43,7 +43,15 @@ pub async fn tokenize(State(st): State<AppState>, JsonBody(body): JsonBody) -> R
         (None, Some(_)) => {
             // The chat fields only: sampling fields would not mean anything here.
             let mut chat = serde_json::Map::new();
-            for k in ["messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt", "continue_final_message"] {
+            for k in [
+                "messages",
+                "tools",
+                "tool_choice",
+                "chat_template_kwargs",
+                "reasoning_effort",
+                "add_generation_prompt",
+                "continue_final_message",
+            ] {
                 if let Some(v) = body.get(k) {
                     chat.insert(k.into(), v.clone());
                 }

@@ -92,15 +92,7 @@ pub struct ToolCallParser {
 
 impl ToolCallParser {
     pub fn new(schemas: ToolSchemas) -> ToolCallParser {
-        ToolCallParser {
-            schemas,
-            state: State::Text,
-            buf: String::new(),
-            calls: 0,
-            func: String::new(),
-            params: 0,
-            trim_lead: false,
-        }
+        ToolCallParser { schemas, state: State::Text, buf: String::new(), calls: 0, func: String::new(), params: 0, trim_lead: false }
     }
 
     /// Number of calls started so far.
@@ -205,10 +197,7 @@ impl ToolCallParser {
                 match parse_json_call(body) {
                     Some((name, args)) => {
                         self.start_call(out, name);
-                        out.push(ToolEvent::Args {
-                            index: self.calls,
-                            delta: args,
-                        });
+                        out.push(ToolEvent::Args { index: self.calls, delta: args });
                         self.calls += 1;
                         self.trim_lead = true;
                     }
@@ -230,10 +219,7 @@ impl ToolCallParser {
                         Some(j) if valid_name(rest[..j].trim()) => {
                             let name = rest[..j].trim().to_string();
                             self.buf.drain(..PARAM_OPEN.len() + j + 1);
-                            self.state = State::Param {
-                                name,
-                                value: String::new(),
-                            };
+                            self.state = State::Param { name, value: String::new() };
                             return true;
                         }
                         None if !rest.contains(['\n', '<']) && rest.len() <= MAX_NAME => return false,
@@ -303,11 +289,7 @@ impl ToolCallParser {
     fn start_call(&mut self, out: &mut Vec<ToolEvent>, name: String) {
         self.func = name.clone();
         self.params = 0;
-        out.push(ToolEvent::Start {
-            index: self.calls,
-            id: new_id("call_"),
-            name,
-        });
+        out.push(ToolEvent::Start { index: self.calls, id: new_id("call_"), name });
     }
 
     fn finish_param(&mut self, out: &mut Vec<ToolEvent>, name: &str, value: &str) {
@@ -323,10 +305,7 @@ impl ToolCallParser {
 
     fn close_args(&mut self, out: &mut Vec<ToolEvent>) {
         let delta = if self.params == 0 { "{}" } else { "}" };
-        out.push(ToolEvent::Args {
-            index: self.calls,
-            delta: delta.into(),
-        });
+        out.push(ToolEvent::Args { index: self.calls, delta: delta.into() });
     }
 
     /// Ends the call in progress (closing its arguments first).

@@ -65,14 +65,7 @@ fn check_all_splits(text: &str, want: &Parsed) {
     for &a in idx.iter().step_by(step) {
         for &b in idx.iter().filter(|&&b| b >= a).step_by(step) {
             let got = run(&[&text[..a], &text[a..b], &text[b..]]);
-            assert_eq!(
-                &got,
-                want,
-                "split at {a},{b}: {:?} | {:?} | {:?}",
-                &text[..a],
-                &text[a..b],
-                &text[b..]
-            );
+            assert_eq!(&got, want, "split at {a},{b}: {:?} | {:?} | {:?}", &text[..a], &text[a..b], &text[b..]);
         }
     }
     let chars: Vec<String> = text.chars().map(String::from).collect();
@@ -81,54 +74,24 @@ fn check_all_splits(text: &str, want: &Parsed) {
 }
 
 fn parsed(content: &str, calls: &[(&str, Value)]) -> Parsed {
-    Parsed {
-        content: content.into(),
-        calls: calls.iter().map(|(n, v)| (n.to_string(), v.clone())).collect(),
-    }
+    Parsed { content: content.into(), calls: calls.iter().map(|(n, v)| (n.to_string(), v.clone())).collect() }
 }
 
 #[test]
 fn one_call_typed_by_schema() {
     let text = "I'll check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>";
-    check_all_splits(
-        text,
-        &parsed(
-            "I'll check.",
-            &[("get_weather", json!({"city": "Paris", "days": 3, "metric": true}))],
-        ),
-    );
+    check_all_splits(text, &parsed("I'll check.", &[("get_weather", json!({"city": "Paris", "days": 3, "metric": true}))]));
 }
 
 #[test]
 fn arguments_stream_one_parameter_at_a_time() {
     let mut p = ToolCallParser::new(schemas());
     let ev = p.push("<tool_call>\n<function=get_weather>\n");
-    assert!(
-        matches!(&ev[..], [ToolEvent::Start { index: 0, name, .. }] if name == "get_weather"),
-        "{ev:?}"
-    );
+    assert!(matches!(&ev[..], [ToolEvent::Start { index: 0, name, .. }] if name == "get_weather"), "{ev:?}");
     let ev = p.push("<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n1");
-    assert_eq!(
-        ev,
-        vec![ToolEvent::Args {
-            index: 0,
-            delta: "{\"city\": \"New York\"".into()
-        }]
-    );
+    assert_eq!(ev, vec![ToolEvent::Args { index: 0, delta: "{\"city\": \"New York\"".into() }]);
     let ev = p.push("0\n</parameter>\n</function>\n</tool_call>");
-    assert_eq!(
-        ev,
-        vec![
-            ToolEvent::Args {
-                index: 0,
-                delta: ", \"days\": 10".into()
-            },
-            ToolEvent::Args {
-                index: 0,
-                delta: "}".into()
-            }
-        ]
-    );
+    assert_eq!(ev, vec![ToolEvent::Args { index: 0, delta: ", \"days\": 10".into() }, ToolEvent::Args { index: 0, delta: "}".into() }]);
     assert!(p.finish().is_empty());
 }
 
@@ -146,10 +109,7 @@ fn json_values_stay_typed() {
         text,
         &parsed(
             "",
-            &[(
-                "run",
-                json!({"opts": {"depth": 2, "tags": ["a", "b"], "x": null}, "args": [1, "two", {"three": 3}], "scale": -0.5}),
-            )],
+            &[("run", json!({"opts": {"depth": 2, "tags": ["a", "b"], "x": null}, "args": [1, "two", {"three": 3}], "scale": -0.5}))],
         ),
     );
 }
@@ -159,14 +119,7 @@ fn several_calls() {
     let text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=run>\n</function>\n</tool_call>";
     check_all_splits(
         text,
-        &parsed(
-            "",
-            &[
-                ("get_weather", json!({"city": "Oslo"})),
-                ("get_weather", json!({"city": "Rome"})),
-                ("run", json!({})),
-            ],
-        ),
+        &parsed("", &[("get_weather", json!({"city": "Oslo"})), ("get_weather", json!({"city": "Rome"})), ("run", json!({}))]),
     );
 }
 
@@ -199,13 +152,7 @@ fn malformed_then_valid() {
 fn lenient_inside_a_call() {
     // Missing </parameter>, stray text, missing </tool_call> before the next call.
     let text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n<parameter=days>\n2\n</parameter>\nstray\n</function>\n<function=run>\n<parameter=code>\ny\n</parameter>\n</function>\n</tool_call>\nDone.";
-    check_all_splits(
-        text,
-        &parsed(
-            "strayDone.",
-            &[("get_weather", json!({"city": "Lima", "days": 2})), ("run", json!({"code": "y"}))],
-        ),
-    );
+    check_all_splits(text, &parsed("strayDone.", &[("get_weather", json!({"city": "Lima", "days": 2})), ("run", json!({"code": "y"}))]));
 }
 
 #[test]
@@ -225,13 +172,7 @@ fn truncated_call_is_closed() {
 #[test]
 fn json_form_calls() {
     let text = "Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Kyiv\", \"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": \"run\", \"arguments\": \"{\\\"code\\\": \\\"1\\\"}\"}\n</tool_call>";
-    check_all_splits(
-        text,
-        &parsed(
-            "Sure.",
-            &[("get_weather", json!({"city": "Kyiv", "days": 2})), ("run", json!({"code": "1"}))],
-        ),
-    );
+    check_all_splits(text, &parsed("Sure.", &[("get_weather", json!({"city": "Kyiv", "days": 2})), ("run", json!({"code": "1"}))]));
 }
 
 #[test]

@@ -28,12 +28,7 @@ impl ToolSchemas {
             let Some(name) = f.get("name").and_then(Value::as_str) else {
                 continue;
             };
-            let props = f
-                .get("parameters")
-                .and_then(|p| p.get("properties"))
-                .and_then(Value::as_object)
-                .cloned()
-                .unwrap_or_default();
+            let props = f.get("parameters").and_then(|p| p.get("properties")).and_then(Value::as_object).cloned().unwrap_or_default();
             properties.insert(name.to_string(), props);
         }
         ToolSchemas { properties }
@@ -41,12 +36,7 @@ impl ToolSchemas {
 
     /// The JSON value of parameter `param` of function `func`, written as `raw`.
     pub fn convert(&self, func: &str, param: &str, raw: &str) -> Value {
-        let types = self
-            .properties
-            .get(func)
-            .and_then(|p| p.get(param))
-            .map(schema_types)
-            .unwrap_or_default();
+        let types = self.properties.get(func).and_then(|p| p.get(param)).map(schema_types).unwrap_or_default();
         convert(raw, &types)
     }
 }
@@ -115,10 +105,7 @@ fn as_type(raw: &str, t: &str) -> Option<Value> {
                 return Some(Value::from(u));
             }
             // `3.0` for an integer parameter.
-            let f = s
-                .parse::<f64>()
-                .ok()
-                .filter(|f| f.is_finite() && f.fract() == 0.0 && f.abs() < 9.0e15)?;
+            let f = s.parse::<f64>().ok().filter(|f| f.is_finite() && f.fract() == 0.0 && f.abs() < 9.0e15)?;
             Some(Value::from(f as i64))
         }
         "number" => match serde_json::from_str::<Value>(s) {

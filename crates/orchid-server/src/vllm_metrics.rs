@@ -30,11 +30,7 @@ pub fn render(m: &Metrics, stats: &EngineStats, max_seqs: usize, model: &str, ou
     let gauges = [
         ("vllm:num_requests_running", "Number of requests in model execution batches.", running as f64),
         ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", load(&stats.queued) as f64),
-        (
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            running as f64 / max_seqs.max(1) as f64,
-        ),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", running as f64 / max_seqs.max(1) as f64),
     ];
     for (name, help, v) in gauges {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{label}}} {v}");

@@ -53,8 +53,7 @@ impl std::io::Write for Stderr {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("ORCHID_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_env("ORCHID_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(|| Stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

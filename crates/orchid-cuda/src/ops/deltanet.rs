@@ -110,7 +110,6 @@ crate::kernel_abi! {
     }
 }
 
-
 /// Dynamic shared memory of `gdn_decode`: the old conv window (KC−1 taps) and the conv weights
 /// (KC taps) of the block's 2·dk + dv/DECODE_SPLIT channels, then the state rows of every
 /// thread (used only for dims other than the compiled-in fast path), f32.
@@ -169,7 +168,6 @@ pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()
     }
     Ok(())
 }
-
 
 pub fn conv(c: &Ctx, a: &ConvArgs) -> Result<()> {
     let rows = (a.t.max(a.kc - 1).max(1) as usize).div_ceil(CONV_TOKENS);

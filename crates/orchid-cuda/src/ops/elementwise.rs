@@ -3,7 +3,7 @@
 
 use orchid_model::error::Result;
 
-use super::{params, Ctx};
+use super::{Ctx, params};
 use crate::weights::{GpuLinear, WFormat};
 
 pub fn rms_norm(c: &Ctx, x: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<()> {

@@ -5,7 +5,7 @@
 use orchid_model::error::{Error, Result};
 
 use super::gemv::gemv;
-use super::{params, Ctx};
+use super::{Ctx, params};
 use crate::driver::DevBuf;
 use crate::weights::{GpuLinear, WFormat};
 
@@ -151,7 +151,10 @@ pub fn gemm(
     ldo: usize,
 ) -> Result<()> {
     if x.k != w.cols || x.kpad != w.kpad {
-        return Err(Error::Op { op: "gemm", msg: format!("x prepared for K {} (padded {}), W has K {} (padded {})", x.k, x.kpad, w.cols, w.kpad) });
+        return Err(Error::Op {
+            op: "gemm",
+            msg: format!("x prepared for K {} (padded {}), W has K {} (padded {})", x.k, x.kpad, w.cols, w.kpad),
+        });
     }
     if x_rows == 0 && x.rows < t {
         return Err(Error::Op { op: "gemm", msg: format!("{t} tokens but {} prepared rows", x.rows) });

@@ -89,7 +89,6 @@ pub fn gemv_resident(c: &Ctx, smem: usize) -> usize {
     gpu.sms as usize * per_sm.clamp(1, GEMV_BLOCKS_PER_SM.min(c.tuning.gemv_per_sm))
 }
 
-
 /// Shared memory of the 8 warps' rings: a slot holds one unit of a 16-row tile for 32 lanes.
 pub fn ring_bytes(fmt: WFormat) -> usize {
     8 * RING_SLOTS * if fmt == WFormat::Q4 { 32 * 48 } else { 32 * 32 }

@@ -51,7 +51,9 @@ impl Ctx {
             if name.starts_with("gemm_") {
                 use cudarc::driver::sys;
                 // SAFETY: a live function handle of a loaded module; the value is a percentage.
-                let _ = unsafe { sys::cuFuncSetAttribute(k.f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100) };
+                let _ = unsafe {
+                    sys::cuFuncSetAttribute(k.f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                };
             }
         }
         let pdl = opts.pdl && gpu.cc.0 >= 9;

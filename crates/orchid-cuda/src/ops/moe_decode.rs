@@ -4,8 +4,8 @@
 
 use orchid_model::error::{Error, Result};
 
-use super::gemv::{gemv_resident, ring_bytes, units_of, x_stage_bytes, ROUTER_KPARTS};
 use super::Ctx;
+use super::gemv::{ROUTER_KPARTS, gemv_resident, ring_bytes, units_of, x_stage_bytes};
 use crate::weights::{GpuLinear, WFormat};
 
 /// Warps per 16-row tile of the decode `moe_up` kernel: two units of gate and two of up per warp
@@ -95,8 +95,7 @@ pub struct MoeDecode<'a> {
 
 impl MoeDecode<'_> {
     fn fmt(&self) -> Result<WFormat> {
-        let all: Vec<&GpuLinear> =
-            [self.gate, self.up, self.down, self.sh_gate, self.sh_up, self.sh_down].into_iter().flatten().collect();
+        let all: Vec<&GpuLinear> = [self.gate, self.up, self.down, self.sh_gate, self.sh_up, self.sh_down].into_iter().flatten().collect();
         let f = all.first().map(|w| w.fmt).ok_or_else(|| Error::Op { op: "moe", msg: "no experts".into() })?;
         if all.iter().any(|w| w.fmt != f) {
             return Err(Error::Op { op: "moe decode", msg: "routed and shared experts are stored in different formats".into() });
@@ -130,7 +129,12 @@ pub fn can_fuse_route(c: &Ctx, m: &MoeDecode, r: &FusedRoute) -> bool {
     let (Some(g), Some(_)) = (m.gate, m.up) else { return false };
     let sg_ok = r.shared_gate.is_none_or(|s| s.fmt == WFormat::Bf16 && s.kpad == g.kpad && s.cols == g.cols);
     let shared = r.shared_gate.is_some() && m.sh_gate.is_some();
-    if fmt != WFormat::Q4 || r.router.fmt != WFormat::Bf16 || r.router.kpad != g.kpad || !sg_ok || r.shared_gate.is_some() != m.sh_gate.is_some() {
+    if fmt != WFormat::Q4
+        || r.router.fmt != WFormat::Bf16
+        || r.router.kpad != g.kpad
+        || !sg_ok
+        || r.shared_gate.is_some() != m.sh_gate.is_some()
+    {
         return false;
     }
     if !r.e.is_multiple_of(16) || r.e > 512 || m.topk > 32 || r.e != r.router.rows {
@@ -160,7 +164,8 @@ fn moe_up_impl(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u6
     let fmt = m.fmt()?;
     let any = m.gate.or(m.sh_gate).unwrap();
     let (k, kpad) = (any.cols, any.kpad);
-    let mut a = MoeUpArgs { x, norm_w: norm.0, eps: norm.1, ids, h, k: k as i32, kpad: kpad as i32, topk: m.topk as i32, ..Default::default() };
+    let mut a =
+        MoeUpArgs { x, norm_w: norm.0, eps: norm.1, ids, h, k: k as i32, kpad: kpad as i32, topk: m.topk as i32, ..Default::default() };
     if let (Some(g), Some(u)) = (m.gate, m.up) {
         a.gate_w = g.w_ptr();
         a.gate_sb = g.sb_ptr();
@@ -207,7 +212,8 @@ pub fn moe_down(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64
     let fmt = m.fmt()?;
     let any = m.down.or(m.sh_down).unwrap();
     let hdim = any.rows;
-    let mut a = MoeDownArgs { h, route_w, ids, out, hdim: hdim as i32, topk: m.topk as i32, hstride: m.hstride() as i32, ..Default::default() };
+    let mut a =
+        MoeDownArgs { h, route_w, ids, out, hdim: hdim as i32, topk: m.topk as i32, hstride: m.hstride() as i32, ..Default::default() };
     if let Some(d) = m.down {
         a.down_w = d.w_ptr();
         a.down_sb = d.sb_ptr();

@@ -5,12 +5,12 @@
 use std::sync::OnceLock;
 
 use half::bf16;
+#[allow(unused_imports)]
+pub use orchid_cuda::bf16ref::Bf16Cpu;
 use orchid_model::config::{LayerKind, ModelConfig};
 use orchid_model::dtype::{self, DType};
 use orchid_model::linear::{AffineWeight, LinearWeight, WeightData};
 use orchid_model::storage::Bytes;
-#[allow(unused_imports)]
-pub use orchid_cuda::bf16ref::Bf16Cpu;
 use orchid_model::weights::{HostAttention, HostDeltaNet, HostFfn, HostLayer, HostMixer, HostMlp, HostMoe, HostWeights};
 
 /// The options the GPU tests run with: the defaults, kernels cached in the temp folder.
@@ -206,4 +206,3 @@ pub fn config(
     );
     ModelConfig::from_json_str(&j).unwrap()
 }
-

@@ -40,33 +40,16 @@ pub(super) fn install(env: &mut Environment<'static>) {
     env.set_unknown_method_callback(py_method);
     env.add_filter("tojson", tojson);
     env.add_filter("string", |v: &Value| py_str(v));
-    env.add_filter(
-        "trim",
-        |v: &Value, chars: Option<Value>| -> Result<String, Error> {
-            strip(&py_str(v), chars.as_ref(), true, true)
-        },
-    );
-    env.add_test("sequence", |v: &Value| {
-        v.is_undefined()
-            || matches!(
-                v.kind(),
-                ValueKind::Seq | ValueKind::String | ValueKind::Map
-            )
-    });
+    env.add_filter("trim", |v: &Value, chars: Option<Value>| -> Result<String, Error> { strip(&py_str(v), chars.as_ref(), true, true) });
+    env.add_test("sequence", |v: &Value| v.is_undefined() || matches!(v.kind(), ValueKind::Seq | ValueKind::String | ValueKind::Map));
     env.add_test("iterable", |v: &Value| {
-        v.is_undefined()
-            || matches!(
-                v.kind(),
-                ValueKind::Seq | ValueKind::String | ValueKind::Map | ValueKind::Iterable
-            )
+        v.is_undefined() || matches!(v.kind(), ValueKind::Seq | ValueKind::String | ValueKind::Map | ValueKind::Iterable)
     });
     env.add_function("raise_exception", |msg: Value| -> Result<Value, Error> {
         let msg = py_str(&msg);
         Err(Error::new(ErrorKind::InvalidOperation, msg.clone()).with_source(Raised(msg)))
     });
-    env.add_function("strftime_now", |fmt: String| {
-        super::strftime::strftime(&fmt, super::strftime::now_unix())
-    });
+    env.add_function("strftime_now", |fmt: String| super::strftime::strftime(&fmt, super::strftime::now_unix()));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -91,10 +74,7 @@ fn py_repr(v: &Value) -> String {
         ValueKind::Number => py_float_repr(f64::try_from(v.clone()).unwrap_or(f64::NAN)),
         ValueKind::String => py_str_repr(v.as_str().unwrap_or_default()),
         ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<String> = v
-                .try_iter()
-                .map(|it| it.map(|x| py_repr(&x)).collect())
-                .unwrap_or_default();
+            let items: Vec<String> = v.try_iter().map(|it| it.map(|x| py_repr(&x)).collect()).unwrap_or_default();
             if v.is_tuple() {
                 match items.len() {
                     1 => format!("({},)", items[0]),
@@ -123,11 +103,7 @@ fn py_repr(v: &Value) -> String {
 }
 
 fn py_str_repr(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
     let mut out = String::with_capacity(s.len() + 2);
     out.push(quote);
     for c in s.chars() {
@@ -143,12 +119,7 @@ fn py_str_repr(s: &str) -> String {
             c if (c as u32) < 0x20 || (0x7f..=0xa0).contains(&(c as u32)) || c == '\u{ad}' => {
                 let _ = write!(out, "\\x{:02x}", c as u32);
             }
-            '\u{1680}'
-            | '\u{2000}'..='\u{200f}'
-            | '\u{2028}'..='\u{202f}'
-            | '\u{205f}'..='\u{2064}'
-            | '\u{3000}'
-            | '\u{feff}' => {
+            '\u{1680}' | '\u{2000}'..='\u{200f}' | '\u{2028}'..='\u{202f}' | '\u{205f}'..='\u{2064}' | '\u{3000}' | '\u{feff}' => {
                 let _ = write!(out, "\\u{:04x}", c as u32);
             }
             c => out.push(c),
@@ -199,12 +170,7 @@ pub(crate) fn py_float_repr(f: f64) -> String {
             out.push('.');
             out.push_str(&digits[1..]);
         }
-        let _ = write!(
-            out,
-            "e{}{:02}",
-            if exp < 0 { '-' } else { '+' },
-            exp.unsigned_abs()
-        );
+        let _ = write!(out, "e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.unsigned_abs());
     }
     out
 }
@@ -225,10 +191,7 @@ struct JsonStyle {
 fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
     const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if args.len() > NAMES.len() {
-        return Err(Error::new(
-            ErrorKind::TooManyArguments,
-            "tojson takes at most 4 arguments",
-        ));
+        return Err(Error::new(ErrorKind::TooManyArguments, "tojson takes at most 4 arguments"));
     }
     let mut opt: [Option<Value>; 4] = Default::default();
     for (i, a) in args.iter().enumerate() {
@@ -244,16 +207,11 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
     let indent = match indent {
         None => None,
         Some(v) if v.is_none() => None,
-        Some(v) if v.kind() == ValueKind::String => {
-            Some(v.as_str().unwrap_or_default().to_string())
-        }
+        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
         Some(v) => match v.as_i64() {
             Some(n) => Some(" ".repeat(n.max(0) as usize)),
             None => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    "tojson: indent must be an int or a string",
-                ));
+                return Err(Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an int or a string"));
             }
         },
     };
@@ -262,16 +220,10 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
         None => (", ".to_string(), ": ".to_string()),
         Some(s) => {
             let parts: Vec<Value> = s.try_iter()?.collect();
-            match (
-                parts.first().and_then(|p| p.as_str()),
-                parts.get(1).and_then(|p| p.as_str()),
-            ) {
+            match (parts.first().and_then(|p| p.as_str()), parts.get(1).and_then(|p| p.as_str())) {
                 (Some(a), Some(b)) if parts.len() == 2 => (a.to_string(), b.to_string()),
                 _ => {
-                    return Err(Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: separators must be two strings",
-                    ));
+                    return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings"));
                 }
             }
         }
@@ -290,10 +242,7 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
 
 fn write_json(out: &mut String, v: &Value, st: &JsonStyle, depth: usize) -> Result<(), Error> {
     if depth > 500 {
-        return Err(Error::new(
-            ErrorKind::InvalidOperation,
-            "tojson: value nested too deeply",
-        ));
+        return Err(Error::new(ErrorKind::InvalidOperation, "tojson: value nested too deeply"));
     }
     match v.kind() {
         ValueKind::None => out.push_str("null"),
@@ -310,9 +259,7 @@ fn write_json(out: &mut String, v: &Value, st: &JsonStyle, depth: usize) -> Resu
         ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), st.ensure_ascii),
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = v.try_iter()?.collect();
-            write_container(out, st, depth, '[', ']', items.len(), |out, i| {
-                write_json(out, &items[i], st, depth + 1)
-            })?;
+            write_container(out, st, depth, '[', ']', items.len(), |out, i| write_json(out, &items[i], st, depth + 1))?;
         }
         ValueKind::Map => {
             let mut entries: Vec<(String, Value)> = Vec::new();
@@ -330,10 +277,7 @@ fn write_json(out: &mut String, v: &Value, st: &JsonStyle, depth: usize) -> Resu
             })?;
         }
         kind => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!("tojson: object of kind {kind} is not JSON serializable"),
-            ));
+            return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: object of kind {kind} is not JSON serializable")));
         }
     }
     Ok(())
@@ -384,10 +328,7 @@ fn json_key(k: &Value) -> Result<String, Error> {
         ValueKind::Number if k.is_integer() => k.to_string(),
         ValueKind::Number => py_float_repr(f64::try_from(k.clone())?),
         kind => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!("tojson: keys must be str, not {kind}"),
-            ));
+            return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: keys must be str, not {kind}")));
         }
     })
 }
@@ -433,10 +374,7 @@ fn strip(s: &str, chars: Option<&Value>, left: bool, right: bool) -> Result<Stri
         Some(v) => match v.as_str() {
             Some(c) => Some(c.chars().collect()),
             None => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    "strip arg must be None or str",
-                ));
+                return Err(Error::new(ErrorKind::InvalidOperation, "strip arg must be None or str"));
             }
         },
     };
@@ -455,39 +393,20 @@ fn strip(s: &str, chars: Option<&Value>, left: bool, right: bool) -> Result<Stri
 }
 
 /// `str.split(sep=None, maxsplit=-1)` and `str.rsplit(..)`.
-fn split(
-    s: &str,
-    sep: Option<&str>,
-    maxsplit: i64,
-    from_right: bool,
-) -> Result<Vec<String>, Error> {
-    let max = if maxsplit < 0 {
-        usize::MAX
-    } else {
-        maxsplit as usize
-    };
+fn split(s: &str, sep: Option<&str>, maxsplit: i64, from_right: bool) -> Result<Vec<String>, Error> {
+    let max = if maxsplit < 0 { usize::MAX } else { maxsplit as usize };
     match sep {
         Some("") => Err(Error::new(ErrorKind::InvalidOperation, "empty separator")),
         Some(sep) if from_right => {
-            let mut v: Vec<String> = s
-                .rsplitn(max.saturating_add(1), sep)
-                .map(String::from)
-                .collect();
+            let mut v: Vec<String> = s.rsplitn(max.saturating_add(1), sep).map(String::from).collect();
             v.reverse();
             Ok(v)
         }
-        Some(sep) => Ok(s
-            .splitn(max.saturating_add(1), sep)
-            .map(String::from)
-            .collect()),
+        Some(sep) => Ok(s.splitn(max.saturating_add(1), sep).map(String::from).collect()),
         None => {
             // Runs of whitespace separate; after `max` splits the rest is kept, stripped only
             // on the side the splitting came from.
-            let chars: Vec<char> = if from_right {
-                s.chars().rev().collect()
-            } else {
-                s.chars().collect()
-            };
+            let chars: Vec<char> = if from_right { s.chars().rev().collect() } else { s.chars().collect() };
             let mut parts = Vec::new();
             let mut i = 0;
             while i < chars.len() {
@@ -507,16 +426,8 @@ fn split(
                 }
                 parts.push(chars[start..i].to_vec());
             }
-            let mut out: Vec<String> = parts
-                .into_iter()
-                .map(|p| {
-                    if from_right {
-                        p.into_iter().rev().collect()
-                    } else {
-                        p.into_iter().collect()
-                    }
-                })
-                .collect();
+            let mut out: Vec<String> =
+                parts.into_iter().map(|p| if from_right { p.into_iter().rev().collect() } else { p.into_iter().collect() }).collect();
             if from_right {
                 out.reverse();
             }
@@ -525,12 +436,7 @@ fn split(
     }
 }
 
-fn py_method(
-    state: &mut State,
-    value: &Value,
-    method: &str,
-    args: &[Value],
-) -> Result<Value, Error> {
+fn py_method(state: &mut State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
     if let Some(s) = value.as_str() {
         match method {
             "strip" | "lstrip" | "rstrip" => {
@@ -541,12 +447,9 @@ fn py_method(
             "split" | "rsplit" => {
                 let (sep, maxsplit): (Option<Value>, Option<i64>) = from_args(args)?;
                 let sep = match &sep {
-                    Some(v) if !v.is_none() => Some(v.as_str().ok_or_else(|| {
-                        Error::new(
-                            ErrorKind::InvalidOperation,
-                            "split separator must be a string",
-                        )
-                    })?),
+                    Some(v) if !v.is_none() => {
+                        Some(v.as_str().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "split separator must be a string"))?)
+                    }
                     _ => None,
                 };
                 let parts = split(s, sep, maxsplit.unwrap_or(-1), method == "rsplit")?;
@@ -591,19 +494,13 @@ mod tests {
         let sp = |s: &str, sep: Option<&str>, n: i64| split(s, sep, n, false).unwrap();
         assert_eq!(sp("  a b  c ", None, -1), ["a", "b", "c"]);
         assert_eq!(sp("  a b  c ", None, 1), ["a", "b  c "]);
-        assert_eq!(
-            sp("a</think>b</think>c", Some("</think>"), -1),
-            ["a", "b", "c"]
-        );
+        assert_eq!(sp("a</think>b</think>c", Some("</think>"), -1), ["a", "b", "c"]);
         assert_eq!(sp("a,b,c", Some(","), 1), ["a", "b,c"]);
         assert_eq!(split("  a b  c ", None, 1, true).unwrap(), ["  a b", "c"]);
         assert_eq!(split("a,b,c", Some(","), 1, true).unwrap(), ["a,b", "c"]);
         assert!(split("abc", Some(""), -1, false).is_err());
         assert_eq!(strip("\u{1c} x \n", None, true, true).unwrap(), "x");
-        assert_eq!(
-            strip("\n\nx\n", Some(&Value::from("\n")), false, true).unwrap(),
-            "\n\nx"
-        );
+        assert_eq!(strip("\n\nx\n", Some(&Value::from("\n")), false, true).unwrap(), "\n\nx");
     }
 
     #[test]
@@ -625,10 +522,7 @@ mod tests {
         assert_eq!(out, r#"{"b": [1, 2.5], "a": "é\"\n\u0001", "c": {}}"#);
         let mut out = String::new();
         write_json(&mut out, &v, &st(Some("  ")), 0).unwrap();
-        assert_eq!(
-            out,
-            "{\n  \"b\": [\n    1,\n    2.5\n  ],\n  \"a\": \"é\\\"\\n\\u0001\",\n  \"c\": {}\n}"
-        );
+        assert_eq!(out, "{\n  \"b\": [\n    1,\n    2.5\n  ],\n  \"a\": \"é\\\"\\n\\u0001\",\n  \"c\": {}\n}");
         let mut out = String::new();
         write_json_str(&mut out, "é😀", true);
         assert_eq!(out, r#""\u00e9\ud83d\ude00""#);
@@ -636,12 +530,7 @@ mod tests {
 
     #[test]
     fn python_reprs() {
-        let v = Value::from(vec![
-            Value::from("it's"),
-            Value::from(true),
-            Value::from(()),
-            Value::from(1.0),
-        ]);
+        let v = Value::from(vec![Value::from("it's"), Value::from(true), Value::from(()), Value::from(1.0)]);
         assert_eq!(py_str(&v), r#"["it's", True, None, 1.0]"#);
         assert_eq!(py_str(&Value::from_pairs([("k", "v")])), "{'k': 'v'}");
         assert_eq!(py_str(&Value::UNDEFINED), "");

@@ -26,29 +26,9 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (year, month, day)
 }
 
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-const WEEKDAYS: [&str; 7] = [
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-];
+const MONTHS: [&str; 12] =
+    ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+const WEEKDAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
 
 /// C `strftime` of a UTC timestamp: the common directives and glibc's `%-x` (no padding).
 /// Unknown directives are copied as they are.
@@ -77,11 +57,7 @@ pub(super) fn strftime(fmt: &str, unix: i64) -> String {
             it.next();
         }
         let num = |out: &mut String, v: i64, width: usize| {
-            let _ = if no_pad {
-                write!(out, "{v}")
-            } else {
-                write!(out, "{v:0width$}")
-            };
+            let _ = if no_pad { write!(out, "{v}") } else { write!(out, "{v:0width$}") };
         };
         match it.next() {
             Some('Y') => num(&mut out, year, 1),
@@ -116,12 +92,7 @@ pub(super) fn strftime(fmt: &str, unix: i64) -> String {
                 let _ = write!(out, "{month:02}/{day:02}/{:02}", year.rem_euclid(100));
             }
             Some('c') => {
-                let _ = write!(
-                    out,
-                    "{} {} {day:>2} {h:02}:{m:02}:{s:02} {year}",
-                    &wname[..3],
-                    &mname[..3]
-                );
+                let _ = write!(out, "{} {} {day:>2} {h:02}:{m:02}:{s:02} {year}", &wname[..3], &mname[..3]);
             }
             Some('Z') => out.push_str("UTC"),
             Some('z') => out.push_str("+0000"),
@@ -148,10 +119,7 @@ mod tests {
         // 2026-11-29 09:30:47 UTC, a Sunday.
         let t = 1_795_944_647;
         assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t), "2026-11-29 09:30:47");
-        assert_eq!(
-            strftime("%d %b %Y, %A %B %-d %j %I%p %%", t),
-            "29 Nov 2026, Sunday November 29 333 09AM %"
-        );
+        assert_eq!(strftime("%d %b %Y, %A %B %-d %j %I%p %%", t), "29 Nov 2026, Sunday November 29 333 09AM %");
         assert_eq!(strftime("%F %T", 0), "1970-01-01 00:00:00");
         assert_eq!(strftime("%Y-%m-%d %a", 951_782_400), "2000-02-29 Tue");
     }

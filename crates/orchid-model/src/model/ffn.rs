@@ -12,11 +12,7 @@ pub enum Ffn<B: Backend> {
 }
 
 pub(crate) fn upload_mlp<B: Backend>(b: &B, m: &HostMlp) -> Result<Mlp<B>> {
-    Ok(Mlp {
-        gate_proj: b.upload_linear(&m.gate_proj)?,
-        up_proj: b.upload_linear(&m.up_proj)?,
-        down_proj: b.upload_linear(&m.down_proj)?,
-    })
+    Ok(Mlp { gate_proj: b.upload_linear(&m.gate_proj)?, up_proj: b.upload_linear(&m.up_proj)?, down_proj: b.upload_linear(&m.down_proj)? })
 }
 
 impl<B: Backend> Mlp<B> {

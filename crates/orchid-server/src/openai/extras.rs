@@ -64,10 +64,7 @@ pub(super) fn extras(f: &Fields, max_tokens: Option<usize>) -> Result<Extras> {
     }
     x.min_tokens = non_negative(f, "min_tokens")?.unwrap_or(0);
     if let Some(m) = max_tokens.filter(|&m| x.min_tokens > m) {
-        return Err(ApiError::invalid(
-            "min_tokens",
-            format!("`min_tokens` ({}) must not exceed `max_tokens` ({m})", x.min_tokens),
-        ));
+        return Err(ApiError::invalid("min_tokens", format!("`min_tokens` ({}) must not exceed `max_tokens` ({m})", x.min_tokens)));
     }
     x.ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     x.include_stop_str = f.bool("include_stop_str_in_output")?.unwrap_or(false);
@@ -79,7 +76,14 @@ pub(super) fn extras(f: &Fields, max_tokens: Option<usize>) -> Result<Extras> {
         Some(Value::Array(ids)) if ids.len() <= MAX_STOP_TOKEN_IDS => ids
             .iter()
             .enumerate()
-            .map(|(i, v)| token_id(v).ok_or_else(|| ApiError::invalid(format!("stop_token_ids[{i}]"), format!("`stop_token_ids[{i}]` must be a token id (a non-negative integer), got {v}"))))
+            .map(|(i, v)| {
+                token_id(v).ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("stop_token_ids[{i}]"),
+                        format!("`stop_token_ids[{i}]` must be a token id (a non-negative integer), got {v}"),
+                    )
+                })
+            })
             .collect::<Result<_>>()?,
         Some(Value::Array(ids)) => {
             return Err(ApiError::invalid(
@@ -87,7 +91,9 @@ pub(super) fn extras(f: &Fields, max_tokens: Option<usize>) -> Result<Extras> {
                 format!("`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} ids, got {}", ids.len()),
             ));
         }
-        Some(v) => return Err(ApiError::invalid("stop_token_ids", format!("`stop_token_ids` must be an array of token ids, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::invalid("stop_token_ids", format!("`stop_token_ids` must be an array of token ids, got {}", kind(v))));
+        }
     };
     x.logit_bias = match f.get("logit_bias") {
         None => HashMap::new(),
@@ -95,7 +101,9 @@ pub(super) fn extras(f: &Fields, max_tokens: Option<usize>) -> Result<Extras> {
             .iter()
             .map(|(k, v)| {
                 let param = format!("logit_bias.{k}");
-                let id = k.parse::<u32>().map_err(|_| ApiError::invalid(param.clone(), format!("`logit_bias` keys must be token ids, got `{k}`")))?;
+                let id = k
+                    .parse::<u32>()
+                    .map_err(|_| ApiError::invalid(param.clone(), format!("`logit_bias` keys must be token ids, got `{k}`")))?;
                 match v.as_f64() {
                     Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
                     _ => Err(ApiError::invalid(param, format!("`logit_bias` values must be numbers between -100 and 100, got {v}"))),
@@ -108,7 +116,9 @@ pub(super) fn extras(f: &Fields, max_tokens: Option<usize>) -> Result<Extras> {
                 format!("`logit_bias` may hold at most {MAX_LOGIT_BIAS} entries, got {}", m.len()),
             ));
         }
-        Some(v) => return Err(ApiError::invalid("logit_bias", format!("`logit_bias` must be an object of token id -> bias, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::invalid("logit_bias", format!("`logit_bias` must be an object of token id -> bias, got {}", kind(v))));
+        }
     };
     Ok(x)
 }
@@ -179,15 +189,61 @@ const NOT_IMPLEMENTED: &[(&str, Option<&str>)] = &[
 /// Every top-level field of chat or completions requests that is known (implemented, refused
 /// by the checks above, or handled by other parts of the validation).
 const KNOWN: &[&str] = &[
-    "model", "messages", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "max_completion_tokens", "stop", "stream",
-    "stream_options", "user", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
-    "chat_template_kwargs", "response_format", "logprobs", "top_logprobs", "echo", "suffix", "best_of",
-    "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stop_token_ids",
-    "logit_bias", "thinking_token_budget", "add_generation_prompt", "continue_final_message", "metadata",
-    "store", "service_tier", "modalities", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "chat_template",
-    "add_special_tokens", "request_id", "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
+    "model",
+    "messages",
+    "prompt",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "best_of",
+    "min_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "stop_token_ids",
+    "logit_bias",
+    "thinking_token_budget",
+    "add_generation_prompt",
+    "continue_final_message",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "chat_template",
+    "add_special_tokens",
+    "request_id",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "cache_salt",
 ];
 
 pub(super) fn refuse_unimplemented(f: &Fields) -> Result<()> {
@@ -206,7 +262,10 @@ pub(super) fn refuse_unimplemented(f: &Fields) -> Result<()> {
     if let Some(m) = f.get("modalities") {
         let text_only = m.as_array().is_some_and(|a| a.iter().all(|x| x == "text"));
         if !text_only {
-            return Err(ApiError::invalid("modalities", "`modalities` other than [\"text\"] are not supported: this model writes text only"));
+            return Err(ApiError::invalid(
+                "modalities",
+                "`modalities` other than [\"text\"] are not supported: this model writes text only",
+            ));
         }
     }
     Ok(())

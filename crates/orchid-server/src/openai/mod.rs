@@ -9,9 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// A fresh response or tool-call id: `prefix` + 24 random hex digits.
 pub fn new_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let mut x = t ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed).rotate_left(17);
     let mut out = String::with_capacity(prefix.len() + 24);
     out.push_str(prefix);
@@ -29,9 +27,7 @@ pub fn new_id(prefix: &str) -> String {
 
 /// Seconds since the Unix epoch (the `created` field).
 pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

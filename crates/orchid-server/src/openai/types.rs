@@ -17,11 +17,7 @@ pub struct Meta {
 
 impl Meta {
     pub fn new(prefix: &str, model: &str) -> Meta {
-        Meta {
-            id: super::new_id(prefix),
-            created: super::unix_now(),
-            model: model.to_string(),
-        }
+        Meta { id: super::new_id(prefix), created: super::unix_now(), model: model.to_string() }
     }
 }
 
@@ -49,11 +45,8 @@ fn token_bytes(tok: &Tokenizer, id: u32) -> Vec<u8> {
 
 /// Chat `logprobs.content[i]`.
 pub fn chat_logprob(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
-    let top: Vec<Value> = lp
-        .top
-        .iter()
-        .map(|&(id, l)| json!({"token": token_text(tok, id), "logprob": l, "bytes": token_bytes(tok, id)}))
-        .collect();
+    let top: Vec<Value> =
+        lp.top.iter().map(|&(id, l)| json!({"token": token_text(tok, id), "logprob": l, "bytes": token_bytes(tok, id)})).collect();
     json!({"token": token_text(tok, lp.id), "logprob": lp.logprob, "bytes": token_bytes(tok, lp.id), "top_logprobs": top})
 }
 

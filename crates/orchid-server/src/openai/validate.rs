@@ -89,8 +89,25 @@ pub const MIN_REPETITION_PENALTY: f64 = 0.01;
 /// Names a request may not set through `chat_template_kwargs`: the variables the server passes
 /// itself and the template language's built-in functions (replacing them breaks rendering).
 pub const RESERVED_TEMPLATE_KWARGS: [&str; 19] = [
-    "messages", "tools", "documents", "add_generation_prompt", "namespace", "range", "dict", "debug", "cycler",
-    "joiner", "lipsum", "raise_exception", "strftime_now", "loop", "self", "true", "false", "none", "super",
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "namespace",
+    "range",
+    "dict",
+    "debug",
+    "cycler",
+    "joiner",
+    "lipsum",
+    "raise_exception",
+    "strftime_now",
+    "loop",
+    "self",
+    "true",
+    "false",
+    "none",
+    "super",
 ];
 
 /// Typed access to a JSON object, with errors that name the field.
@@ -115,11 +132,7 @@ impl<'a> Fields<'a> {
         let Some(x) = self.number(k)? else { return Ok(None) };
         let ok = x <= hi && if lo_open { x > lo } else { x >= lo };
         if !ok {
-            let range = if lo_open {
-                format!("greater than {lo} and at most {hi}")
-            } else {
-                format!("between {lo} and {hi}")
-            };
+            let range = if lo_open { format!("greater than {lo} and at most {hi}") } else { format!("between {lo} and {hi}") };
             return Err(ApiError::invalid(k, format!("`{k}` must be {range}, got {x}")));
         }
         Ok(Some(x as f32))
@@ -176,10 +189,7 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
     }
     if let Some(k) = f.int("top_k")? {
         if k < -1 {
-            return Err(ApiError::invalid(
-                "top_k",
-                format!("`top_k` must be -1 or 0 (off) or a positive integer, got {k}"),
-            ));
+            return Err(ApiError::invalid("top_k", format!("`top_k` must be -1 or 0 (off) or a positive integer, got {k}")));
         }
         s.top_k = k.max(0) as usize;
     }
@@ -211,28 +221,19 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
         Some(Value::String(s)) => vec![stop_string("stop", s)?],
         Some(Value::Array(items)) => {
             if items.len() > MAX_STOP {
-                return Err(ApiError::invalid(
-                    "stop",
-                    format!("`stop` may hold at most {MAX_STOP} strings, got {}", items.len()),
-                ));
+                return Err(ApiError::invalid("stop", format!("`stop` may hold at most {MAX_STOP} strings, got {}", items.len())));
             }
             items
                 .iter()
                 .enumerate()
                 .map(|(i, v)| match v {
                     Value::String(s) => stop_string(&format!("stop[{i}]"), s),
-                    v => Err(ApiError::invalid(
-                        format!("stop[{i}]"),
-                        format!("`stop[{i}]` must be a string, got {}", kind(v)),
-                    )),
+                    v => Err(ApiError::invalid(format!("stop[{i}]"), format!("`stop[{i}]` must be a string, got {}", kind(v)))),
                 })
                 .collect::<Result<Vec<_>>>()?
         }
         Some(v) => {
-            return Err(ApiError::invalid(
-                "stop",
-                format!("`stop` must be a string or a list of strings, got {}", kind(v)),
-            ));
+            return Err(ApiError::invalid("stop", format!("`stop` must be a string or a list of strings, got {}", kind(v))));
         }
     };
     let stream = f.bool("stream")?.unwrap_or(false);
@@ -240,37 +241,19 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
         None => false,
         Some(Value::Object(o)) => {
             if !stream {
-                return Err(ApiError::invalid(
-                    "stream_options",
-                    "`stream_options` is only allowed when `stream` is true",
-                ));
+                return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed when `stream` is true"));
             }
-            Fields(o)
-                .bool("include_usage")
-                .map_err(|e| rename(e, "stream_options.include_usage"))?
-                .unwrap_or(false)
+            Fields(o).bool("include_usage").map_err(|e| rename(e, "stream_options.include_usage"))?.unwrap_or(false)
         }
         Some(v) => {
-            return Err(ApiError::invalid(
-                "stream_options",
-                format!("`stream_options` must be an object, got {}", kind(v)),
-            ));
+            return Err(ApiError::invalid("stream_options", format!("`stream_options` must be an object, got {}", kind(v))));
         }
     };
     let user = f.str("user")?.map(str::to_string);
     // vLLM request extras, and the known fields this server refuses.
     extras::refuse_unimplemented(f)?;
     let extras = extras::extras(f, max_tokens)?;
-    Ok(Common {
-        model,
-        sampling: s,
-        max_tokens,
-        stop,
-        stream,
-        include_usage,
-        user,
-        extras,
-    })
+    Ok(Common { model, sampling: s, max_tokens, stop, stream, include_usage, user, extras })
 }
 
 fn max_tokens_field(f: &Fields, k: &str) -> Result<Option<usize>> {
@@ -311,10 +294,7 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
         Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "`messages` must not be empty")),
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
         Some(v) => {
-            return Err(ApiError::invalid(
-                "messages",
-                format!("`messages` must be an array, got {}", kind(v)),
-            ));
+            return Err(ApiError::invalid("messages", format!("`messages` must be an array, got {}", kind(v))));
         }
     };
     let tools = match f.get("tools") {
@@ -349,27 +329,18 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
             template_kwargs.extend(kw.iter().map(|(k, v)| (k.clone(), v.clone())))
         }
         Some(v) => {
-            return Err(ApiError::invalid(
-                "chat_template_kwargs",
-                format!("`chat_template_kwargs` must be an object, got {}", kind(v)),
-            ));
+            return Err(ApiError::invalid("chat_template_kwargs", format!("`chat_template_kwargs` must be an object, got {}", kind(v))));
         }
     }
     let structured = structured::request_constraint(body)?;
     if structured.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
         let field = structured.as_ref().map_or("", |s| s.field.as_str()).to_string();
-        return Err(ApiError::invalid(
-            field.clone(),
-            format!("`{field}` cannot be combined with a `tool_choice` that forces a tool call"),
-        ));
+        return Err(ApiError::invalid(field.clone(), format!("`{field}` cannot be combined with a `tool_choice` that forces a tool call")));
     }
     let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let logprobs = match (f.bool("logprobs")?.unwrap_or(false), f.int("top_logprobs")?) {
         (_, Some(n)) if n < 0 || n as usize > MAX_TOP_LOGPROBS => {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
-            ));
+            return Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}")));
         }
         (false, Some(n)) if n > 0 => return Err(ApiError::invalid("top_logprobs", "`top_logprobs` requires `logprobs: true`")),
         (true, n) => Some(n.unwrap_or(0) as usize),
@@ -395,10 +366,7 @@ pub fn chat_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Res
 fn message(i: usize, m: &Value) -> Result<Value> {
     let p = |field: &str| format!("messages[{i}].{field}");
     let Value::Object(obj) = m else {
-        return Err(ApiError::invalid(
-            format!("messages[{i}]"),
-            format!("`messages[{i}]` must be an object, got {}", kind(m)),
-        ));
+        return Err(ApiError::invalid(format!("messages[{i}]"), format!("`messages[{i}]` must be an object, got {}", kind(m))));
     };
     let f = Fields(obj);
     let role = match f.str("role").map_err(|e| rename(e, &p("role")))? {
@@ -417,10 +385,7 @@ fn message(i: usize, m: &Value) -> Result<Value> {
     let content = match f.get("content") {
         None if role == "assistant" => None,
         None => {
-            return Err(ApiError::invalid(
-                p("content"),
-                format!("`messages[{i}].content` is required for a {role} message"),
-            ));
+            return Err(ApiError::invalid(p("content"), format!("`messages[{i}].content` is required for a {role} message")));
         }
         Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(parts)) => Some(text_parts(i, parts)?),
@@ -450,20 +415,13 @@ fn message(i: usize, m: &Value) -> Result<Value> {
         match f.get("tool_calls") {
             None => {}
             Some(Value::Array(calls)) => {
-                let calls = calls
-                    .iter()
-                    .enumerate()
-                    .map(|(j, c)| tool_call(i, j, c))
-                    .collect::<Result<Vec<_>>>()?;
+                let calls = calls.iter().enumerate().map(|(j, c)| tool_call(i, j, c)).collect::<Result<Vec<_>>>()?;
                 if !calls.is_empty() {
                     out.insert("tool_calls".into(), Value::Array(calls));
                 }
             }
             Some(v) => {
-                return Err(ApiError::invalid(
-                    p("tool_calls"),
-                    format!("`messages[{i}].tool_calls` must be an array, got {}", kind(v)),
-                ));
+                return Err(ApiError::invalid(p("tool_calls"), format!("`messages[{i}].tool_calls` must be an array, got {}", kind(v))));
             }
         }
     }
@@ -484,10 +442,7 @@ fn text_parts(i: usize, parts: &[Value]) -> Result<String> {
                 ));
             }
             _ => {
-                return Err(ApiError::invalid(
-                    param.clone(),
-                    format!("`{param}` must be {{\"type\": \"text\", \"text\": string}}"),
-                ));
+                return Err(ApiError::invalid(param.clone(), format!("`{param}` must be {{\"type\": \"text\", \"text\": string}}")));
             }
         };
         s.push_str(text);
@@ -545,17 +500,11 @@ fn tool(i: usize, t: &Value) -> Result<Value> {
     match t.get("type").and_then(Value::as_str) {
         Some("function") | None => {}
         Some(other) => {
-            return Err(ApiError::invalid(
-                format!("{param}.type"),
-                format!("tool type `{other}` is not supported (only `function`)"),
-            ));
+            return Err(ApiError::invalid(format!("{param}.type"), format!("tool type `{other}` is not supported (only `function`)")));
         }
     }
     let Some(func) = t.get("function").and_then(Value::as_object) else {
-        return Err(ApiError::invalid(
-            format!("{param}.function"),
-            format!("`{param}.function` must be an object"),
-        ));
+        return Err(ApiError::invalid(format!("{param}.function"), format!("`{param}.function` must be an object")));
     };
     let name = func.get("name").and_then(Value::as_str).unwrap_or("");
     if name.is_empty() || name.len() > 256 || name.contains(|c: char| c.is_whitespace() || c == '<' || c == '>') {
@@ -574,11 +523,7 @@ fn tool(i: usize, t: &Value) -> Result<Value> {
 }
 
 fn tool_choice(v: Option<&Value>, tools: Option<&[Value]>) -> Result<ToolChoice> {
-    let names: Vec<&str> = tools
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|t| t.get("function")?.get("name")?.as_str())
-        .collect();
+    let names: Vec<&str> = tools.unwrap_or_default().iter().filter_map(|t| t.get("function")?.get("name")?.as_str()).collect();
     let choice = match v {
         None => ToolChoice::Auto,
         Some(Value::String(s)) => match s.as_str() {
@@ -612,17 +557,11 @@ fn tool_choice(v: Option<&Value>, tools: Option<&[Value]>) -> Result<ToolChoice>
             }
         },
         Some(v) => {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                format!("`tool_choice` must be a string or an object, got {}", kind(v)),
-            ));
+            return Err(ApiError::invalid("tool_choice", format!("`tool_choice` must be a string or an object, got {}", kind(v))));
         }
     };
     if choice == ToolChoice::Required && names.is_empty() {
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "`tool_choice: required` needs at least one tool in `tools`",
-        ));
+        return Err(ApiError::invalid("tool_choice", "`tool_choice: required` needs at least one tool in `tools`"));
     }
     Ok(choice)
 }
@@ -631,12 +570,8 @@ fn tool_choice(v: Option<&Value>, tools: Option<&[Value]>) -> Result<ToolChoice>
 pub fn completion_request(body: &Map<String, Value>, defaults: &SamplingParams) -> Result<CompletionRequest> {
     let f = Fields(body);
     let common = common(&f, defaults, Some(16))?;
-    let bad_prompt = || {
-        ApiError::invalid(
-            "prompt",
-            "`prompt` must be a string, a list of one string, or a list of token ids (one prompt per request)",
-        )
-    };
+    let bad_prompt =
+        || ApiError::invalid("prompt", "`prompt` must be a string, a list of one string, or a list of token ids (one prompt per request)");
     let prompt = match f.get("prompt") {
         None => return Err(ApiError::invalid("prompt", "`prompt` is required")),
         Some(Value::String(s)) => Prompt::Text(s.clone()),
@@ -655,10 +590,7 @@ pub fn completion_request(body: &Map<String, Value>, defaults: &SamplingParams) 
     let logprobs = match f.int("logprobs")? {
         None => None,
         Some(n) if n < 0 || n as usize > MAX_TOP_LOGPROBS => {
-            return Err(ApiError::invalid(
-                "logprobs",
-                format!("`logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
-            ));
+            return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}")));
         }
         Some(n) => Some(n as usize),
     };
@@ -675,13 +607,7 @@ pub fn completion_request(body: &Map<String, Value>, defaults: &SamplingParams) 
         ));
     }
     let structured = structured::request_constraint(body)?;
-    Ok(CompletionRequest {
-        common,
-        prompt,
-        echo,
-        logprobs,
-        structured,
-    })
+    Ok(CompletionRequest { common, prompt, echo, logprobs, structured })
 }
 
 fn token_ids(ids: &[Value]) -> Result<Vec<u32>> {

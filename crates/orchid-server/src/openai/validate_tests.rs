@@ -104,34 +104,19 @@ fn invalid_values_name_the_field() {
     assert_eq!(param_of(with("reasoning_effort", json!("max"))), "reasoning_effort");
     assert_eq!(param_of(with("chat_template_kwargs", json!([]))), "chat_template_kwargs");
     assert_eq!(param_of(with("tools", json!({}))), "tools");
-    assert_eq!(
-        param_of(with("tools", json!([{"type": "function", "function": {"name": "a b"}}]))),
-        "tools[0].function.name"
-    );
+    assert_eq!(param_of(with("tools", json!([{"type": "function", "function": {"name": "a b"}}]))), "tools[0].function.name");
     assert_eq!(param_of(with("tool_choice", json!("sometimes"))), "tool_choice");
     assert_eq!(param_of(with("tool_choice", json!("required"))), "tool_choice");
-    assert_eq!(
-        param_of(with("tool_choice", json!({"type": "function", "function": {"name": "nope"}}))),
-        "tool_choice"
-    );
+    assert_eq!(param_of(with("tool_choice", json!({"type": "function", "function": {"name": "nope"}}))), "tool_choice");
     assert_eq!(param_of(with("model", json!(3))), "model");
     assert_eq!(param_of(with("messages", json!([]))), "messages");
     assert_eq!(param_of(with("messages", json!("hi"))), "messages");
-    assert_eq!(
-        param_of(with("messages", json!([{"role": "robot", "content": "x"}]))),
-        "messages[0].role"
-    );
+    assert_eq!(param_of(with("messages", json!([{"role": "robot", "content": "x"}]))), "messages[0].role");
     assert_eq!(param_of(with("messages", json!([{"content": "x"}]))), "messages[0].role");
     assert_eq!(param_of(with("messages", json!([{"role": "user"}]))), "messages[0].content");
+    assert_eq!(param_of(with("messages", json!([{"role": "user", "content": 5}]))), "messages[0].content");
     assert_eq!(
-        param_of(with("messages", json!([{"role": "user", "content": 5}]))),
-        "messages[0].content"
-    );
-    assert_eq!(
-        param_of(with(
-            "messages",
-            json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-        )),
+        param_of(with("messages", json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]))),
         "messages[0].content[0].type"
     );
     assert_eq!(

@@ -127,7 +127,8 @@ impl Work {
         let d = &c.deltanet;
         let a = &c.attention;
         let n_gdn = c.num_deltanet_layers() as f64;
-        let state = n_gdn * (2.0 * (d.num_v_heads * d.k_head_dim * d.v_head_dim) as f64 * 4.0 + 2.0 * ((d.conv_kernel - 1) * d.conv_dim()) as f64 * 4.0);
+        let state = n_gdn
+            * (2.0 * (d.num_v_heads * d.k_head_dim * d.v_head_dim) as f64 * 4.0 + 2.0 * ((d.conv_kernel - 1) * d.conv_dim()) as f64 * 4.0);
         let n_attn = c.num_attention_layers() as f64;
         Work {
             weight_bytes_step: bytes,
@@ -159,7 +160,14 @@ struct RunResult {
     tokens: Vec<u32>,
 }
 
-fn run_once(m: &Model<CudaBackend>, state: &mut orchid_cuda::CudaState, graph: &mut DecodeGraph, prompt: &[u32], chunk: usize, decode: usize) -> Result<RunResult> {
+fn run_once(
+    m: &Model<CudaBackend>,
+    state: &mut orchid_cuda::CudaState,
+    graph: &mut DecodeGraph,
+    prompt: &[u32],
+    chunk: usize,
+    decode: usize,
+) -> Result<RunResult> {
     let slot = state.alloc().context("no free state slot")?;
     if slot != graph.slot {
         bail!("state slot {slot} is not the captured slot {}", graph.slot);
@@ -306,7 +314,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
 
 /// Per-kernel GPU time of a prefill of `len` tokens (eager launches, so CPU-side gaps show up
 /// in the kernel that follows them) and of one captured decode step at context `len`.
-fn profile(m: &Model<CudaBackend>, state: &mut orchid_cuda::CudaState, graph: &mut DecodeGraph, len: usize, chunk: usize) -> Result<serde_json::Value> {
+fn profile(
+    m: &Model<CudaBackend>,
+    state: &mut orchid_cuda::CudaState,
+    graph: &mut DecodeGraph,
+    len: usize,
+    chunk: usize,
+) -> Result<serde_json::Value> {
     use orchid_cuda::driver;
     let gpu = m.backend.gpu().clone();
     let v = m.config.vocab_size;
@@ -342,7 +356,14 @@ fn profile(m: &Model<CudaBackend>, state: &mut orchid_cuda::CudaState, graph: &m
         let total: f64 = rows.iter().map(|r| r.2).sum();
         eprintln!("{title}: {total:.3} ms of kernels, {wall:.3} ms wall");
         for r in rows.iter().take(24) {
-            eprintln!("  {:<22} {:>6} launches {:>10.3} ms {:>6.1}%  ({:.1} us each)", r.0, r.1, r.2, 100.0 * r.2 / total, 1e3 * r.2 / r.1 as f64);
+            eprintln!(
+                "  {:<22} {:>6} launches {:>10.3} ms {:>6.1}%  ({:.1} us each)",
+                r.0,
+                r.1,
+                r.2,
+                100.0 * r.2 / total,
+                1e3 * r.2 / r.1 as f64
+            );
         }
         json!(rows.iter().map(|r| json!({"kernel": r.0, "launches": r.1, "ms": r.2})).collect::<Vec<_>>())
     };
@@ -357,7 +378,12 @@ fn profile(m: &Model<CudaBackend>, state: &mut orchid_cuda::CudaState, graph: &m
 
 fn print_table(r: &serde_json::Value) {
     println!("{}", r["device"].as_str().unwrap_or(""));
-    println!("model {} ({:.2} GB on the GPU, loaded in {:.1}s)", r["model"].as_str().unwrap_or(""), r["weights_gb"].as_f64().unwrap_or(0.0), r["load_seconds"].as_f64().unwrap_or(0.0));
+    println!(
+        "model {} ({:.2} GB on the GPU, loaded in {:.1}s)",
+        r["model"].as_str().unwrap_or(""),
+        r["weights_gb"].as_f64().unwrap_or(0.0),
+        r["load_seconds"].as_f64().unwrap_or(0.0)
+    );
     for k in ["check_cpu", "check_cpu_truncated"] {
         if let Some(c) = r.get(k) {
             println!("{k}: {c}");

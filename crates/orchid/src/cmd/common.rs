@@ -321,11 +321,7 @@ pub fn stream_to(
     use orchid_engine::request::Event;
     use orchid_server::reasoning_parser::{Piece, ReasoningParser};
     use std::io::{IsTerminal, Write};
-    let mut parser = if display.parse_reasoning {
-        ReasoningParser::new(display.in_reasoning)
-    } else {
-        ReasoningParser::disabled()
-    };
+    let mut parser = if display.parse_reasoning { ReasoningParser::new(display.in_reasoning) } else { ReasoningParser::disabled() };
     let dim = std::io::stderr().is_terminal();
     let mut r = Streamed { tokens: 0, first_token_secs: 0.0, secs: 0.0, reasoning: String::new(), content: String::new() };
     let mut emit = |pieces: Vec<Piece>, r: &mut Streamed| -> Result<()> {

@@ -36,7 +36,8 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
             .or_else(|| var("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("orchid/kernels")))
             .or_else(|| var("HOME").map(|p| PathBuf::from(p).join(".cache/orchid/kernels")))
             .unwrap_or_else(|| std::env::temp_dir().join("orchid-kernels"));
-        let mut cuda_roots: Vec<PathBuf> = ["ORCHID_CUDA_HOME", "CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| var(v)).map(PathBuf::from).collect();
+        let mut cuda_roots: Vec<PathBuf> =
+            ["ORCHID_CUDA_HOME", "CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| var(v)).map(PathBuf::from).collect();
         cuda_roots.extend(d.cuda_roots.iter().cloned());
         let t = &d.tuning;
         orchid_cuda::CudaOptions {

@@ -43,9 +43,7 @@ pub struct EvalArgs {
 
 fn read_tokens(path: &Path) -> Result<Vec<u32>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.split_whitespace()
-        .map(|w| w.parse::<u32>().with_context(|| format!("{}: `{w}` is not a token id", path.display())))
-        .collect()
+    text.split_whitespace().map(|w| w.parse::<u32>().with_context(|| format!("{}: `{w}` is not a token id", path.display()))).collect()
 }
 
 /// Runs `ids` teacher-forced in independent windows of `window` tokens (prefill chunks of

@@ -2,14 +2,8 @@
 
 use serde_json::{Value, json};
 
-pub const NAMES: &[&str] = &[
-    "qwen3.6-35b-a3b",
-    "qwen3.5-122b-a10b",
-    "qwen3.5-397b-a17b",
-    "qwen3-next-80b-a3b",
-    "tiny-test",
-    "tiny-next-test",
-];
+pub const NAMES: &[&str] =
+    &["qwen3.6-35b-a3b", "qwen3.5-122b-a10b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b", "tiny-test", "tiny-next-test"];
 
 fn qwen35(text: Value) -> Value {
     let mut t = json!({

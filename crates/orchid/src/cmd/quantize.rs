@@ -147,7 +147,12 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
                     w.linear(&format!("{la}in_proj_qkvz"), &[], &[&qkvz.permute_rows(&inverse(&qwen3_next_qkvz_order(d)))], None)?;
                     w.linear(&format!("{la}in_proj_ba"), &[], &[&ba.permute_rows(&inverse(&qwen3_next_ba_order(d)))], None)?;
                 } else {
-                    for (n, m) in [("in_proj_qkv", &g.in_proj_qkv), ("in_proj_z", &g.in_proj_z), ("in_proj_b", &g.in_proj_b), ("in_proj_a", &g.in_proj_a)] {
+                    for (n, m) in [
+                        ("in_proj_qkv", &g.in_proj_qkv),
+                        ("in_proj_z", &g.in_proj_z),
+                        ("in_proj_b", &g.in_proj_b),
+                        ("in_proj_a", &g.in_proj_a),
+                    ] {
                         w.linear(&format!("{la}{n}"), &[], &[m], None)?;
                     }
                 }
@@ -210,7 +215,15 @@ fn mlx_config(raw: Value, cfg: &ModelConfig, base: &str, bits: u32, group: usize
 }
 
 fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
-    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"] {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+    ] {
         let src = from.join(f);
         if src.is_file() {
             std::fs::copy(&src, to.join(f)).with_context(|| format!("copying {}", src.display()))?;

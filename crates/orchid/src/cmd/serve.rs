@@ -78,10 +78,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let dir = dir.canonicalize().unwrap_or(dir);
     let model_id = match a.model_id.clone() {
         Some(id) => id,
-        None => dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "orchid".into()),
+        None => dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "orchid".into()),
     };
     let template = match ChatTemplate::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),
@@ -113,15 +110,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.allowed_origins = a.allowed_origins.iter().map(|o| o.trim().to_string()).filter(|o| !o.is_empty()).collect();
     let st = AppState::new(loaded.engine, loaded.tokenizer, template, cfg);
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("orchid-http")
-        .build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("orchid-http").build()?;
     let result = rt.block_on(async move {
         let addr = format!("{}:{}", a.host, a.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         orchid_server::serve(listener, st).await
     });
     // Connections still open and preparation threads still running do not hold the exit.

@@ -79,7 +79,9 @@ pub struct SynthArgs {
 /// How a tensor's values are drawn.
 #[derive(Clone, Copy, Debug)]
 enum Init {
-    Dense { fan_in: usize },
+    Dense {
+        fan_in: usize,
+    },
     /// HF norm offsets (multiplier 1+w).
     NormOffset,
     /// Plain multipliers around 1 (MLX norms, the GDN gated norm).
@@ -88,8 +90,14 @@ enum Init {
     DtBias,
     Conv,
     Codes,
-    Scales { fan_in: usize, bits: u32 },
-    Biases { fan_in: usize, bits: u32 },
+    Scales {
+        fan_in: usize,
+        bits: u32,
+    },
+    Biases {
+        fan_in: usize,
+        bits: u32,
+    },
 }
 
 struct Spec {
@@ -117,12 +125,17 @@ impl Layout {
     fn linear(&self, s: &mut Vec<Spec>, module: &str, lead: &[usize], rows: usize, cols: usize, bits_override: Option<u32>) {
         let shape = |last: usize| [lead, &[rows, last]].concat();
         match self.quant {
-            Some((bits, group)) if cols % group == 0 => {
+            Some((bits, group)) if cols.is_multiple_of(group) => {
                 let (bits, group) = match bits_override {
-                    Some(b) if cols % 64 == 0 => (b, 64),
+                    Some(b) if cols.is_multiple_of(64) => (b, 64),
                     _ => (bits, group),
                 };
-                s.push(Spec { name: format!("{module}.weight"), dtype: DType::U32, shape: shape(cols * bits as usize / 32), init: Init::Codes });
+                s.push(Spec {
+                    name: format!("{module}.weight"),
+                    dtype: DType::U32,
+                    shape: shape(cols * bits as usize / 32),
+                    init: Init::Codes,
+                });
                 for (suffix, init) in [("scales", Init::Scales { fan_in: cols, bits }), ("biases", Init::Biases { fan_in: cols, bits })] {
                     s.push(Spec { name: format!("{module}.{suffix}"), dtype: self.float, shape: shape(cols / group), init });
                 }
@@ -272,8 +285,17 @@ fn layout(format: Format, family: Family, float: DType, group_size: usize) -> La
     let bits = if format == Format::Mlx8 { 8 } else { 4 };
     match (format, qwen35) {
         (Format::Hf, true) => Layout { base: "model.language_model.", lm_head: "lm_head", mlx, quant: None, fused_experts: true, float },
-        (Format::Hf | Format::HfPerExpert, _) => Layout { base: "model.", lm_head: "lm_head", mlx, quant: None, fused_experts: false, float },
-        (_, true) => Layout { base: "language_model.model.", lm_head: "language_model.lm_head", mlx, quant: Some((bits, group_size)), fused_experts: false, float },
+        (Format::Hf | Format::HfPerExpert, _) => {
+            Layout { base: "model.", lm_head: "lm_head", mlx, quant: None, fused_experts: false, float }
+        }
+        (_, true) => Layout {
+            base: "language_model.model.",
+            lm_head: "language_model.lm_head",
+            mlx,
+            quant: Some((bits, group_size)),
+            fused_experts: false,
+            float,
+        },
         (_, false) => Layout { base: "model.", lm_head: "lm_head", mlx, quant: Some((bits, group_size)), fused_experts: false, float },
     }
 }
@@ -331,13 +353,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     let bytes = w.finish()?;
     write_config(&out, &config)?;
     copy_tokenizer(&a, &out, &cfg)?;
-    eprintln!(
-        "wrote {} tensors, {:.2} GB to {} in {:.1}s",
-        specs.len(),
-        bytes as f64 / 1e9,
-        out.display(),
-        t0.elapsed().as_secs_f64()
-    );
+    eprintln!("wrote {} tensors, {:.2} GB to {} in {:.1}s", specs.len(), bytes as f64 / 1e9, out.display(), t0.elapsed().as_secs_f64());
     Ok(())
 }
 

@@ -42,8 +42,7 @@ pub struct RenderChatArgs {
 pub fn run_tokenize(args: TokenizeArgs) -> Result<()> {
     let text = match (&args.text, &args.text_file) {
         (Some(t), None) => t.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("{}: cannot read text (must be UTF-8)", f.display()))?,
+        (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("{}: cannot read text (must be UTF-8)", f.display()))?,
         _ => bail!("give exactly one of --text or --text-file"),
     };
     let tok = Tokenizer::from_dir(&args.model)?;
@@ -53,10 +52,8 @@ pub fn run_tokenize(args: TokenizeArgs) -> Result<()> {
 }
 
 pub fn run_render_chat(args: RenderChatArgs) -> Result<()> {
-    let raw = std::fs::read_to_string(&args.request)
-        .with_context(|| format!("{}: cannot read", args.request.display()))?;
-    let request: serde_json::Value = serde_json::from_str(&raw)
-        .with_context(|| format!("{}: malformed JSON", args.request.display()))?;
+    let raw = std::fs::read_to_string(&args.request).with_context(|| format!("{}: cannot read", args.request.display()))?;
+    let request: serde_json::Value = serde_json::from_str(&raw).with_context(|| format!("{}: malformed JSON", args.request.display()))?;
     let template = ChatTemplate::from_dir(&args.model)?;
     let prompt = template.render_request(&request)?;
     let mut out = std::io::stdout().lock();
