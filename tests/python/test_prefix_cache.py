@@ -79,7 +79,7 @@ def test_conversation_reuses_earlier_turns(servers):
     assert m["orchid_prefix_cache_bytes"] > 0
     assert m["orchid_prefix_cache_entries"] > 0
     assert off.metrics()["orchid_prefix_cache_entries"] == 0
-    assert re.search(r"prompt tokens \([1-9][0-9]* cached\)", on.log())
+    assert re.search(r"prompt_tokens=[1-9][0-9]* cached_tokens=[1-9][0-9]* ", on.log())
 
 
 def test_completions_share_a_prefix(servers):

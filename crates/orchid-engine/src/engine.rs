@@ -453,11 +453,18 @@ impl<S> Seq<S> {
         }
         self.sampler.sample(logits, valid)
     }
-    /// Tokens of the next prefill span: up to the next multiple of the chunk (absolute, so a
-    /// restored sequence keeps the boundaries of a full prefill), the next snapshot point, or
-    /// the end of the prompt.
+    /// Tokens of the next prefill span: `chunk` tokens, or up to the next snapshot point or the
+    /// end of the prompt. A span never leaves exactly one prompt token after it (that token would
+    /// run through the one-token path, which rounds differently from a longer span). Spans start
+    /// at block boundaries (multiples of 64, where a restored prefix ends), and every op computes
+    /// a span's rows as a full prefill would, so a restored sequence needs no chunk alignment
+    /// with a full prefill: its first token comes after one forward pass.
     fn next_span(&self, chunk: usize) -> usize {
-        let mut end = ((self.prefilled / chunk + 1) * chunk).min(self.prompt.len());
+        let len = self.prompt.len();
+        let mut end = (self.prefilled + chunk).min(len);
+        if end + 1 == len {
+            end = len;
+        }
         if let Some(&p) = self.save_points.first() {
             end = end.min(p);
         }
