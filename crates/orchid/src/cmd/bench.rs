@@ -28,6 +28,7 @@ pub struct BenchArgs {
     /// Checkpoint folder.
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Where to run (the benchmark needs CUDA).
     #[arg(long, value_enum, default_value_t = Device::Cuda)]
     device: Device,
     /// Prompt lengths (comma-separated); default the ten of the protocol.
@@ -63,6 +64,7 @@ pub struct BenchArgs {
     /// Per-kernel times of one prefill (eager, --profile-length tokens) and one graph decode step.
     #[arg(long)]
     profile: bool,
+    /// Prompt length of the --profile run.
     #[arg(long, default_value_t = 4096)]
     profile_length: usize,
     /// Stop starting new lengths after this many seconds (the rest are reported as not run).

@@ -37,6 +37,7 @@ pub struct EvalArgs {
     /// Compare with another engine's logits (same format as --dump-logits).
     #[arg(long)]
     reference: Option<PathBuf>,
+    /// Where to run the model.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
 }

@@ -25,10 +25,13 @@ pub struct QuantizeArgs {
     /// HF checkpoint folder.
     #[arg(long = "in")]
     input: PathBuf,
+    /// Output folder (MLX layout).
     #[arg(long)]
     out: PathBuf,
+    /// Bits per weight (4 or 8).
     #[arg(long, default_value_t = 4)]
     bits: u32,
+    /// MLX group size (elements per scale and bias).
     #[arg(long, default_value_t = 64)]
     group_size: usize,
     /// Storage type of scales, biases and unquantized tensors.

@@ -41,6 +41,7 @@ pub struct ServeArgs {
     /// Prompt tokens run per forward call for one sequence.
     #[arg(long, env = "ORCHID_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
+    /// Where to run the model.
     #[arg(long, value_enum, env = "ORCHID_DEVICE", default_value_t = Device::Auto)]
     device: Device,
     /// Largest request body, in bytes (413 above).
