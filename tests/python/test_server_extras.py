@@ -157,9 +157,9 @@ def test_request_ids_and_access_log(server):
     assert status == 200 and h["x-request-id"] == "stream-id-9"
     log = server.log()
     line = next(ln for ln in log.splitlines() if "request_id=my-id-42" in ln and "orchid::access" in ln)
-    assert re.search(r"POST /v1/completions 200 prompt_tokens=\d+ completion_tokens=3 ttft=[0-9.]+ms duration=[0-9.]+ms", line), line
+    assert re.search(r"POST /v1/completions 200 prompt_tokens=\d+ cached_tokens=\d+ completion_tokens=3 ttft=[0-9.]+ms duration=[0-9.]+ms", line), line
     assert re.search(r"POST /v1/completions 400 .*request_id=bad-id-7", log)
-    assert re.search(r"POST /v1/chat/completions 200 prompt_tokens=\d+ completion_tokens=3 .*request_id=stream-id-9", log)
+    assert re.search(r"POST /v1/chat/completions 200 prompt_tokens=\d+ cached_tokens=\d+ completion_tokens=3 .*request_id=stream-id-9", log)
 
 
 def test_vllm_metric_names(server):
