@@ -82,6 +82,7 @@ fn start(g: &CudaBackend, tok: &Arc<Tokenizer>, case: &Case, fast: bool) -> Engi
         fast_decode: fast,
         prefix_cache: false,
         prefix_cache_bytes: None,
+        inject_fault: None,
     };
     let (g, cfg, fmt, seed) = (g.clone(), case.cfg.clone(), case.fmt, case.seed);
     let e = spawn_with(opts, tok.clone(), move || {

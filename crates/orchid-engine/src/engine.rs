@@ -74,6 +74,9 @@ pub struct EngineOptions {
     pub prefix_cache: bool,
     /// Byte budget of the prefix cache; `None`: the backend's default (docs/prefix-cache.md).
     pub prefix_cache_bytes: Option<usize>,
+    /// A testing aid: make the engine thread panic while loading or at its first step, so that
+    /// tests can check that no panic leaves a process hanging (`orchid` sets it from `ORCHID_FAULT`).
+    pub inject_fault: Option<Fault>,
 }
 
 impl Default for EngineOptions {
@@ -86,6 +89,7 @@ impl Default for EngineOptions {
             fast_decode: true,
             prefix_cache: true,
             prefix_cache_bytes: None,
+            inject_fault: None,
         }
     }
 }
@@ -143,11 +147,16 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// A testing aid: `ORCHID_FAULT=load` (or `step`) makes the engine thread panic while loading
-/// (or at its first step), so that tests can check that no panic leaves a process hanging.
-fn injected_fault(at: &str) {
-    if std::env::var("ORCHID_FAULT").is_ok_and(|v| v == at) {
-        panic!("ORCHID_FAULT={at}: injected panic");
+/// Where [`EngineOptions::inject_fault`] makes the engine thread panic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    Load,
+    Step,
+}
+
+fn injected_fault(want: Option<Fault>, at: Fault) {
+    if want == Some(at) {
+        panic!("injected panic ({at:?})");
     }
 }
 
@@ -297,7 +306,7 @@ where
         .name("orchid-engine".into())
         .spawn(move || {
             let loaded = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                injected_fault("load");
+                injected_fault(opts2.inject_fault, Fault::Load);
                 load()
             }));
             let (model, fast) = match loaded {
@@ -653,7 +662,7 @@ impl<B: Backend> Engine<B> {
 
     /// One forward call over every decoding sequence plus the next prefill chunks.
     fn step(&mut self) {
-        injected_fault("step");
+        injected_fault(self.opts.inject_fault, Fault::Step);
         // Clients that went away (even mid-prompt) free their slots now.
         let gone: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].tx.is_closed()).collect();
         self.retire(&gone);

@@ -85,6 +85,7 @@ fn start(fast: Option<bool>, fail_prepare: bool, enabled: bool) -> (EngineHandle
         fast_decode: enabled,
         prefix_cache: false,
         prefix_cache_bytes: None,
+        inject_fault: None,
     };
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;

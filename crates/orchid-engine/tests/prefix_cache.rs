@@ -30,6 +30,7 @@ fn start(cache: bool, budget: Option<usize>) -> (EngineHandle, Arc<Tokenizer>) {
         fast_decode: false,
         prefix_cache: cache,
         prefix_cache_bytes: budget,
+        inject_fault: None,
     };
     let e = spawn(opts, tok.clone(), move || Ok(orchid_model::load_model(&dir, CpuBackend::new())?));
     e.wait_ready().unwrap();

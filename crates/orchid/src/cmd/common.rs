@@ -105,7 +105,11 @@ pub struct Loaded {
 }
 
 pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::EngineOptions) -> Result<Loaded> {
-    let opts = orchid_engine::engine::EngineOptions { fast_decode: opts.fast_decode && super::env_options::decode_graph(), ..opts };
+    let opts = orchid_engine::engine::EngineOptions {
+        fast_decode: opts.fast_decode && super::env_options::decode_graph(),
+        inject_fault: super::env_options::fault(),
+        ..opts
+    };
     let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir).map_err(bad_model)?);
     let dir2 = dir.to_path_buf();
     let engine = match resolve_device(device)? {

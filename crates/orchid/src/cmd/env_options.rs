@@ -10,6 +10,8 @@
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
 //!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
+//! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
+//!   its first step.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -60,4 +62,13 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
 /// Whether the engine may decode a lone sequence through the backend's fast decoder.
 pub fn decode_graph() -> bool {
     var("ORCHID_DECODE_GRAPH").is_none_or(|v| !off(&v))
+}
+
+/// `ORCHID_FAULT`: the engine thread's injected panic, for tests.
+pub fn fault() -> Option<orchid_engine::engine::Fault> {
+    match var("ORCHID_FAULT")?.as_str() {
+        "load" => Some(orchid_engine::engine::Fault::Load),
+        "step" => Some(orchid_engine::engine::Fault::Step),
+        _ => None,
+    }
 }
