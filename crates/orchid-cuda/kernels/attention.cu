@@ -294,13 +294,13 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
 // tile holds keys of earlier steps only, so a warp requests its first such tile before waiting
 // for the previous kernel).
 template <int D, int TK>
-DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
+DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p, const int z, const int nz) {
     constexpr int ST = D + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     __nv_bfloat16* Qs = (__nv_bfloat16*)smem;                 // [16][ST]
     __nv_bfloat16* KVw = Qs + 16 * ST;                         // per warp 2 x [K, V][TK][ST]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z, G = a.G;
+    const int kvh = blockIdx.x, split = blockIdx.y, G = a.G;
     // The position comes from the previous step (the sampler) or the host: readable before the wait.
     const int pos = a.pos_ptr ? *(const int*)a.pos_ptr : a.start;
     const int nkeys = pos + 1;
@@ -309,8 +309,7 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
     // so that the combine merges fewer partials (the rest are empty, skipped by the combine).
     const int per = max((ntiles + a.nsplit - 1) / a.nsplit, max(a.min_tiles, 1));
     const int t_begin = split * per, t_end = min(ntiles, t_begin + per);
-    const int nz_ = gridDim.z;
-    const i64 pidx_ = ((i64)kvh * nz_ + z) * a.nsplit + split;
+    const i64 pidx_ = ((i64)kvh * nz + z) * a.nsplit + split;
     if (t_begin >= t_end) {  // empty split: only the softmax state, which the combine skips
         pdl_enter();
         if (threadIdx.x < 16) {
@@ -396,7 +395,6 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
         }
     }
     __syncthreads();
-    const int nz = gridDim.z;
     const i64 pidx = ((i64)kvh * nz + z) * a.nsplit + split;  // partial index
     float* po = (float*)a.part_o + pidx * 16 * D;
     const int rows_here = min(16, G - z * 16);
@@ -413,10 +411,9 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p) {
 
 // Merges the decode partials of all splits, normalises, applies the output gate.
 // grid = Hq, block = 256. out [Hq*D] f32 (one token); gate: q_gate row (head h at h*2D + D).
-extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a, int D) {
+DEVI void attn_combine_body(const AttnArgs& a, const int D) {
     __shared__ float wts[256];
     __shared__ float red[32];
-    pdl_enter();
     const int h = blockIdx.x, G = a.G, kvh = h / G, hg = h % G, z = hg / 16, row = hg % 16;
     const int nz = (G + 15) / 16;
     const float* ml = (const float*)a.part_ml;
@@ -452,12 +449,63 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a,
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a, int D) {
+    pdl_enter();
+    attn_combine_body(a, D);
+}
+
+// Decode of one token of each of several sequences. Row r is the sequence in state slot
+// rows_slot[r] (its block table ld_table entries after `table` per slot) at position pos_ptr[r];
+// its q|gate, k, v rows are r·ldq / r·ldk floats in, its output row r·Hq·D, its partials after
+// those of the rows before it. Padding rows (negative slot) write zeros.
+struct DecodeRow {
+    int r, slot;
+    DEVI DecodeRow(const AttnArgs& a, int row) : r(row), slot(((const int*)a.rows_slot)[row]) {}
+    DEVI i64 parts(const AttnArgs& a) const { return (i64)r * a.Hkv * ((a.G + 15) / 16) * a.nsplit * 16; }
+    DEVI AttnArgs attn(const AttnArgs& a0, int D) const {
+        AttnArgs a = a0;
+        a.table += (u64)slot * a0.ld_table * 4;
+        a.pos_ptr += (u64)r * 4;
+        if (a.gate) a.gate += (u64)r * a0.ldg * 4;
+        a.out += (u64)r * a0.Hq * D * 4;
+        a.part_o += (u64)(parts(a0) * D * 4);
+        a.part_ml += (u64)(parts(a0) * 2 * 4);
+        return a;
+    }
+    DEVI PrepArgs prep(const PrepArgs& p0, const AttnArgs& a) const {
+        PrepArgs p = p0;
+        p.table = a.table;
+        p.pos_ptr = a.pos_ptr;
+        p.qg += (u64)r * p0.ldq * 4;
+        p.k += (u64)r * p0.ldk * 4;
+        p.v += (u64)r * p0.ldk * 4;
+        return p;
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(256) attn_combine_rows(const AttnArgs a0, int D) {
+    pdl_enter();
+    const DecodeRow row(a0, blockIdx.y);
+    if (row.slot < 0) {
+        for (int d = threadIdx.x; d < D; d += blockDim.x) ((float*)a0.out)[((i64)row.r * a0.Hq + blockIdx.x) * D + d] = 0.f;
+        return;
+    }
+    attn_combine_body(row.attn(a0, D), D);
+}
+
 #define ATTN_KERNELS(D, TKP, TKD)                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_d##D(const AttnArgs a) {              \
         attn_prefill_body<D, TKP>(a);                                                                    \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_d##D(const AttnArgs a, const PrepArgs p) { \
-        attn_decode_body<D, TKD>(a, p);                                                                  \
+        attn_decode_body<D, TKD>(a, p, blockIdx.z, gridDim.z);                                           \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_rows_d##D(const AttnArgs a0, const PrepArgs p0) { \
+        const int nz = (a0.G + 15) / 16;                                                                  \
+        const DecodeRow row(a0, blockIdx.z / nz);                                                         \
+        if (row.slot < 0) return;                                                                         \
+        const AttnArgs a = row.attn(a0, D);                                                               \
+        attn_decode_body<D, TKD>(a, row.prep(p0, a), blockIdx.z % nz, nz);                                \
     }
 
 ATTN_KERNELS(32, 64, 32)

@@ -686,7 +686,7 @@ DEVI void gdn_decode_body(const GdnDecodeArgs& a, const GdnDecodeSmem& sm) {
     }
 }
 
-extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_decode(const GdnDecodeArgs a) {
+DEVI void gdn_decode_run(const GdnDecodeArgs& a) {
     // Dynamic (ops/deltanet.rs decode_smem): (2·KC−1)·nch floats, then GDN_MAXR·GDN_THREADS.
     extern __shared__ float gdn_cwin[];
     __shared__ float vals[GDN_NCPT * GDN_THREADS];
@@ -701,4 +701,33 @@ extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_d
         gdn_decode_body<4, 128, 128>(a, sm);
     else
         gdn_decode_body<0, 0, 0>(a, sm);
+}
+
+extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_decode(const GdnDecodeArgs a) {
+    gdn_decode_run(a);
+}
+
+// One token of each of several sequences (grid.y = rows): row r is the sequence in state slot
+// rows_slot[r] at position pos_ptr[r]; its inputs and output are rows of their tensors (strides
+// ld_*), its states sit slot·conv_stride / slot·rec_stride floats after conv_state / state. A row
+// whose slot is negative (padding of a batch bucket) writes zeros to its output.
+extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_decode_rows(const GdnDecodeArgs a0) {
+    const int r = blockIdx.y;
+    const int slot = ((const int*)a0.rows_slot)[r];
+    if (slot < 0) {  // the same for every block of a cluster: all of them leave here
+        pdl_enter();
+        const int j = blockIdx.x / GDN_NS, sp = blockIdx.x % GDN_NS, cw = a0.dv / GDN_NS;
+        for (int i = threadIdx.x; i < cw; i += GDN_THREADS) ((float*)a0.out)[(i64)r * a0.ld_out + (i64)j * a0.dv + sp * cw + i] = 0.f;
+        return;
+    }
+    GdnDecodeArgs a = a0;
+    a.qkv += (u64)r * a0.ld_qkv * 4;
+    a.z += (u64)r * a0.ld_z * 4;
+    a.b += (u64)r * a0.ld_ba * 4;
+    a.a += (u64)r * a0.ld_ba * 4;
+    a.out += (u64)r * a0.ld_out * 4;
+    a.conv_state += (u64)slot * a0.conv_stride * 4;
+    a.state += (u64)slot * a0.rec_stride * 4;
+    a.pos_ptr += (u64)r * 4;
+    gdn_decode_run(a);
 }

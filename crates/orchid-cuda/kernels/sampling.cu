@@ -16,11 +16,10 @@ DEVI void argmax_merge(float& bv, int& bi, float ov, int oi) {
 }
 
 // Greedy: grid = nblocks (each a slice of the vocabulary), block 256; the last block reduces.
-extern "C" __global__ void __launch_bounds__(256) sample_argmax(const SampleArgs a) {
+DEVI void sample_argmax_body(const SampleArgs& a) {
     __shared__ float sv[8];
     __shared__ int si[8];
     __shared__ int s_last;
-    pdl_enter();
     const SampleParams* p = (const SampleParams*)a.params;
     const int valid = min(a.vocab, p->valid);
     const int per = (valid + gridDim.x - 1) / gridDim.x;
@@ -62,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_argmax(const SampleArgs
 
 // General sampling, one block of 1024 threads (see the file comment). Exact selection with radix
 // passes over order-preserving float keys; masses in 2^-40 fixed point so sums are deterministic.
-extern "C" __global__ void __launch_bounds__(SB) sample_general(const SampleArgs a) {
+DEVI void sample_general_body(const SampleArgs& a) {
     __shared__ float red[32];
     __shared__ unsigned hist[256];
     __shared__ u64 hmass[256];
@@ -70,7 +69,6 @@ extern "C" __global__ void __launch_bounds__(SB) sample_general(const SampleArgs
     __shared__ u64 s_above;
     __shared__ u64 chunk[SB];
     __shared__ int s_tok;
-    pdl_enter();
     const SampleParams P = *(const SampleParams*)a.params;
     const int valid = min(a.vocab, P.valid);
     const float* l = (const float*)a.logits;
@@ -209,4 +207,39 @@ extern "C" __global__ void __launch_bounds__(SB) sample_general(const SampleArgs
     }
     __syncthreads();
     if (tid == 0) finish_token(a, s_tok);
+}
+
+extern "C" __global__ void __launch_bounds__(256) sample_argmax(const SampleArgs a) {
+    pdl_enter();
+    sample_argmax_body(a);
+}
+
+extern "C" __global__ void __launch_bounds__(SB) sample_general(const SampleArgs a) {
+    pdl_enter();
+    sample_general_body(a);
+}
+
+// One row of a [rows, vocab] logits matrix per blockIdx.y, each with its own parameters, partials,
+// counter, output token and step counter (consecutive, one per row); no position to advance.
+DEVI SampleArgs sample_row(const SampleArgs& a0) {
+    const int r = blockIdx.y;
+    SampleArgs a = a0;
+    a.logits += (u64)r * a0.vocab * 4;
+    a.params += (u64)r * sizeof(SampleParams);
+    a.partial += (u64)r * a0.nblocks * 8;
+    a.counter += (u64)r * 4;
+    a.token_out += (u64)r * 4;
+    if (a.step) a.step += (u64)r * 4;
+    a.pos = 0;
+    return a;
+}
+
+extern "C" __global__ void __launch_bounds__(256) sample_argmax_rows(const SampleArgs a) {
+    pdl_enter();
+    sample_argmax_body(sample_row(a));
+}
+
+extern "C" __global__ void __launch_bounds__(SB) sample_general_rows(const SampleArgs a) {
+    pdl_enter();
+    sample_general_body(sample_row(a));
 }

@@ -81,14 +81,19 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         kernels: &[
             "attn_prep",
             "attn_combine",
+            "attn_combine_rows",
             "attn_prefill_d32",
             "attn_decode_d32",
+            "attn_decode_rows_d32",
             "attn_prefill_d64",
             "attn_decode_d64",
+            "attn_decode_rows_d64",
             "attn_prefill_d128",
             "attn_decode_d128",
+            "attn_decode_rows_d128",
             "attn_prefill_d256",
             "attn_decode_d256",
+            "attn_decode_rows_d256",
         ],
     },
     KernelFile {
@@ -96,7 +101,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[deltanet::deltanet_abi],
         headers: &[],
         source: include_str!("../kernels/deltanet.cu"),
-        kernels: &["gdn_conv", "gdn_prep", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm", "gdn_decode"],
+        kernels: &["gdn_conv", "gdn_prep", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm", "gdn_decode", "gdn_decode_rows"],
     },
     KernelFile {
         name: "moe",
@@ -110,7 +115,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[sampling::sampling_abi],
         headers: &[],
         source: include_str!("../kernels/sampling.cu"),
-        kernels: &["sample_argmax", "sample_general"],
+        kernels: &["sample_argmax", "sample_general", "sample_argmax_rows", "sample_general_rows"],
     },
 ];
 

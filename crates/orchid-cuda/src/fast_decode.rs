@@ -25,6 +25,7 @@ use orchid_model::error::{Error, Result};
 use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode};
 
 use crate::CudaBackend;
+use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
 use crate::decode_graph::DecodeGraph;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
@@ -38,16 +39,23 @@ struct Cached {
     counter: Option<usize>,
 }
 
-/// Cached decode graphs per (slot, greedy); see the module docs.
+/// Cached decode graphs per (slot, greedy), and batched ones per (bucket, greedy); see the
+/// module docs.
 #[derive(Default)]
 pub struct GraphFastDecode {
     graphs: HashMap<(usize, bool), Cached>,
+    batches: HashMap<(usize, bool), BatchGraph>,
 }
 
 impl GraphFastDecode {
     pub fn new() -> GraphFastDecode {
         GraphFastDecode::default()
     }
+}
+
+/// The batched graph that runs `steps`: (bucket, all greedy).
+fn batch_key(steps: &[DecodeStep]) -> (usize, bool) {
+    (bucket_for(steps.len()), steps.iter().all(|s| s.sampling.is_greedy()))
 }
 
 /// The device sampler's parameters for `s` (greedy ones are normalised, so that requests that
@@ -135,6 +143,45 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
                 Err(e)
             }
         }
+    }
+
+    fn prepare_batch(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<()> {
+        let key = batch_key(steps);
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.batches.entry(key) {
+            let t = std::time::Instant::now();
+            let g = BatchGraph::new(model, state, key.0, key.1)?;
+            tracing::info!(
+                "batched decode graph for {} rows ({}) captured in {:.0} ms: {} nodes",
+                key.0,
+                if key.1 { "greedy" } else { "sampled" },
+                t.elapsed().as_secs_f64() * 1e3,
+                g.nodes
+            );
+            slot.insert(g);
+        }
+        Ok(())
+    }
+
+    fn step_batch(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<Vec<u32>> {
+        let rows: Vec<BatchRow> = steps
+            .iter()
+            .map(|s| BatchRow { slot: s.slot, token: s.token, pos: s.pos, index: s.index, params: sample_params(&s.sampling) })
+            .collect();
+        let key = batch_key(steps);
+        let graph = self
+            .batches
+            .get_mut(&key)
+            .ok_or_else(|| Error::Op { op: "decode", msg: "no batched decode graph (prepare_batch first)".into() })?;
+        // The single-sequence graphs' device inputs are stale once their slots moved on here.
+        for s in steps {
+            for greedy in [false, true] {
+                if let Some(c) = self.graphs.get_mut(&(s.slot, greedy)) {
+                    c.token = None;
+                    c.counter = None;
+                }
+            }
+        }
+        graph.step(state, &rows)
     }
 }
 

@@ -16,9 +16,11 @@
 //! paths) comes in a [`CudaOptions`]; the library reads no environment variables.
 
 pub mod abi;
+pub mod batch_graph;
 pub mod bf16ref;
 pub mod compile;
 pub mod decode_graph;
+pub mod decode_rows;
 pub mod driver;
 pub mod fast_decode;
 pub mod layers;
@@ -37,6 +39,7 @@ use orchid_model::error::{Error, Result};
 use orchid_model::linear::LinearWeight;
 use orchid_model::weights::HostMlp;
 
+pub use batch_graph::{BatchGraph, BatchRow};
 pub use decode_graph::DecodeGraph;
 pub use driver::{available, probe};
 pub use fast_decode::GraphFastDecode;
@@ -45,6 +48,7 @@ pub use options::{CudaOptions, Tuning};
 pub use state::CudaState;
 pub use weights::{GpuExperts, GpuLinear, GpuVec};
 
+use decode_rows::DeviceBatch;
 use driver::{DevBuf, Gpu};
 use ops::Ctx;
 
@@ -70,6 +74,8 @@ impl CudaTensor {
 pub struct CudaBackend {
     pub ctx: Arc<Ctx>,
     rope: Arc<Mutex<RopeTables>>,
+    /// Set while a batched decode step is captured (`decode_rows`, `batch_graph`).
+    device_batch: Arc<Mutex<Option<DeviceBatch>>>,
 }
 
 /// RoPE inverse-frequency tables by (theta bits, rotary dims).
@@ -80,7 +86,18 @@ impl CudaBackend {
     pub fn new(ordinal: i32, opts: &CudaOptions) -> Result<CudaBackend> {
         let gpu = Gpu::new(ordinal, opts)?;
         let ctx = Ctx::new(gpu, opts)?;
-        Ok(CudaBackend { ctx: Arc::new(ctx), rope: Arc::new(Mutex::new(HashMap::new())) })
+        Ok(CudaBackend { ctx: Arc::new(ctx), rope: Arc::new(Mutex::new(HashMap::new())), device_batch: Arc::default() })
+    }
+
+    /// The device inputs of the batched decode step being captured, if one is.
+    pub fn device_batch(&self) -> Option<DeviceBatch> {
+        *self.device_batch.lock().unwrap()
+    }
+
+    /// Sets (or clears) the device inputs that `embed` and the decode-rows blocks read instead
+    /// of the host ids and layout, for the capture of a batched decode step.
+    pub fn set_device_batch(&self, db: Option<DeviceBatch>) {
+        *self.device_batch.lock().unwrap() = db;
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -165,8 +182,15 @@ impl Backend for CudaBackend {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
             return Err(shape_err("embed", format!("token id {bad} >= {} rows", table.rows)));
         }
-        let idb = self.ids_buf(ids)?;
         let out = self.tensor(ids.len(), table.cols)?;
+        if let Some(db) = self.device_batch() {
+            if db.rows != ids.len() {
+                return Err(shape_err("embed", format!("{} ids in a captured step of {} rows", ids.len(), db.rows)));
+            }
+            ops::elementwise::embed(&self.ctx, table, db.ids, out.ptr(), ids.len())?;
+            return Ok(out);
+        }
+        let idb = self.ids_buf(ids)?;
         ops::elementwise::embed(&self.ctx, table, idb.ptr, out.ptr(), ids.len())?;
         Ok(out)
     }
@@ -224,9 +248,13 @@ impl Backend for CudaBackend {
         if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
             return Err(shape_err("select_rows", format!("row {bad} of {}", x.rows)));
         }
+        let out = self.tensor(rows.len(), x.cols)?;
+        if rows.iter().enumerate().all(|(i, &r)| i == r) {
+            driver::copy_d2d(self.gpu(), out.ptr(), x.ptr(), rows.len() * x.cols * 4)?;
+            return Ok(out);
+        }
         let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         let ib = DevBuf::from_slice(self.gpu(), &idx)?;
-        let out = self.tensor(rows.len(), x.cols)?;
         ops::elementwise::gather_rows(&self.ctx, x.ptr(), ib.ptr, out.ptr(), rows.len(), x.cols)?;
         Ok(out)
     }
@@ -248,6 +276,9 @@ impl Backend for CudaBackend {
         state: &mut CudaState,
     ) -> Result<CudaTensor> {
         self.gpu().bind()?;
+        if decode_rows::applies(self, batch) {
+            return decode_rows::attention(self, inp, dims, eps, layer, batch, state);
+        }
         layers::attention(self, inp, dims, eps, layer, batch, state)
     }
 
@@ -261,6 +292,9 @@ impl Backend for CudaBackend {
         state: &mut CudaState,
     ) -> Result<CudaTensor> {
         self.gpu().bind()?;
+        if decode_rows::applies(self, batch) {
+            return decode_rows::deltanet(self, inp, dims, eps, layer, batch, state);
+        }
         layers::deltanet(self, inp, dims, eps, layer, batch, state)
     }
 

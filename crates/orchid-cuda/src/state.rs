@@ -143,6 +143,16 @@ impl CudaState {
         self.rec.ptr + (((slot * self.n_gdn + layer) * self.rec_len) * 4) as u64
     }
 
+    /// Floats from a slot's conv states to the next slot's (`conv_ptr`).
+    pub fn conv_slot_stride(&self) -> usize {
+        self.n_gdn * 2 * self.conv_len
+    }
+
+    /// Floats from a slot's recurrent states to the next slot's (`rec_ptr`).
+    pub fn rec_slot_stride(&self) -> usize {
+        self.n_gdn * self.rec_len
+    }
+
     pub fn table_ptr(&self, slot: usize) -> u64 {
         self.tables.ptr + ((slot * self.max_blocks_per_seq) * 4) as u64
     }

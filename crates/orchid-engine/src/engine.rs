@@ -368,6 +368,7 @@ where
                 state,
                 cache,
                 fast,
+                fast_batches: true,
                 tokenizer,
                 opts: opts2,
                 max_context,
@@ -490,6 +491,8 @@ struct Engine<B: Backend> {
     state: B::State,
     cache: Option<PrefixCache<B::State>>,
     fast: Option<Box<dyn FastDecode<B>>>,
+    /// Whether the fast decoder may be given several sequences (`FastDecode::prepare_batch`).
+    fast_batches: bool,
     tokenizer: Arc<Tokenizer>,
     opts: EngineOptions,
     max_context: usize,
@@ -666,15 +669,18 @@ impl<B: Backend> Engine<B> {
         // Clients that went away (even mid-prompt) free their slots now.
         let gone: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].tx.is_closed()).collect();
         self.retire(&gone);
-        if self.running.is_empty() || self.fast_step() {
+        if self.running.is_empty() {
             return;
         }
+        // The decoding sequences go through the fast decoder when they all can; the forward
+        // call below then runs only the prompts being prefilled.
+        let decoded = self.fast_step();
         let chunk = self.opts.prefill_chunk.max(1);
         let mut ids = Vec::new();
         let mut spans = Vec::new();
         let mut members = Vec::new();
         for (i, s) in self.running.iter().enumerate() {
-            if s.decoding() {
+            if s.decoding() && !decoded {
                 ids.push(*s.generated.last().expect("a decoding sequence has a sampled token"));
                 spans.push(SeqSpan { slot: s.slot, start: s.position(), len: 1 });
                 members.push(i);
@@ -695,6 +701,9 @@ impl<B: Backend> Engine<B> {
                     break;
                 }
             }
+        }
+        if spans.is_empty() {
+            return;
         }
         let batch = BatchLayout { spans };
         // The grammar masks for this step are computed while the model runs.
@@ -772,47 +781,78 @@ impl<B: Backend> Engine<B> {
         self.retire(&done);
     }
 
-    /// Decodes the only running sequence through the fast decoder when it can (see the module
-    /// docs); false when the generic step has to run instead.
+    /// Decodes every decoding sequence through the fast decoder when all of them can (one
+    /// sequence: `FastDecode::step`; several: `step_batch`); false when the generic step has to
+    /// decode them (see the module docs).
     fn fast_step(&mut self) -> bool {
         let Some(fast) = self.fast.as_mut() else { return false };
-        if self.running.len() != 1 || !self.running[0].decoding() || !self.running[0].fast_ok || self.running[0].needs_host() {
+        let rows: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].decoding()).collect();
+        if rows.is_empty() || rows.iter().any(|&i| !self.running[i].fast_ok || self.running[i].needs_host()) {
             return false;
         }
-        let s = &self.running[0];
-        let p = &s.req.sampling;
+        if rows.len() > 1 && !self.fast_batches {
+            return false;
+        }
         let valid = self.tokenizer.vocab_size().min(self.model.config.vocab_size);
-        let sampling =
-            DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: s.device_seed, valid };
-        if let Err(e) = fast.prepare(&self.model, &mut self.state, s.slot, &sampling) {
-            tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
-            self.fast = None;
-            return false;
-        }
-        let step = DecodeStep {
-            slot: s.slot,
-            token: *s.generated.last().expect("a decoding sequence has a sampled token"),
-            pos: s.position(),
-            index: s.generated.len(),
-            sampling,
-        };
-        match fast.step(&self.model, &mut self.state, &step) {
-            Ok(tok) => {
-                self.stats.fast_decode_steps.fetch_add(1, Ordering::Relaxed);
-                self.note_decoded(0, step.pos + 1);
-                // Counted as the generic step counts (a token of a sequence that goes on).
-                if emit(&mut self.running[0], tok, None, self.max_context) {
-                    self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    self.retire(&[0]);
+        let steps: Vec<DecodeStep> = rows
+            .iter()
+            .map(|&i| {
+                let s = &self.running[i];
+                let p = &s.req.sampling;
+                DecodeStep {
+                    slot: s.slot,
+                    token: *s.generated.last().expect("a decoding sequence has a sampled token"),
+                    pos: s.position(),
+                    index: s.generated.len(),
+                    sampling: DeviceSampling {
+                        temperature: p.temperature,
+                        top_k: p.top_k,
+                        top_p: p.top_p,
+                        min_p: p.min_p,
+                        seed: s.device_seed,
+                        valid,
+                    },
                 }
+            })
+            .collect();
+        let ran = if let [step] = steps.as_slice() {
+            if let Err(e) = fast.prepare(&self.model, &mut self.state, step.slot, &step.sampling) {
+                tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
+                self.fast = None;
+                return false;
+            }
+            fast.step(&self.model, &mut self.state, step).map(|t| vec![t])
+        } else {
+            if let Err(e) = fast.prepare_batch(&self.model, &mut self.state, &steps) {
+                tracing::warn!("{} cannot decode batches ({e}); batches run on the generic path from now on", fast.name());
+                self.fast_batches = false;
+                return false;
+            }
+            fast.step_batch(&self.model, &mut self.state, &steps)
+        };
+        match ran {
+            Ok(tokens) => {
+                self.stats.fast_decode_steps.fetch_add(rows.len(), Ordering::Relaxed);
+                let mut done = Vec::new();
+                for ((&i, step), tok) in rows.iter().zip(&steps).zip(tokens) {
+                    self.note_decoded(i, step.pos + 1);
+                    // Counted as the generic step counts (a token of a sequence that goes on).
+                    if emit(&mut self.running[i], tok, None, self.max_context) {
+                        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        done.push(i);
+                    }
+                }
+                self.retire(&done);
             }
             Err(e) => {
                 let msg = format!("inference failed: {e}");
                 tracing::error!("{msg} ({})", fast.name());
-                let _ = self.running[0].tx.send(Event::Error(msg));
-                self.running[0].ended = true;
-                self.retire(&[0]);
+                for &i in &rows {
+                    let _ = self.running[i].tx.send(Event::Error(msg.clone()));
+                    self.running[i].ended = true;
+                }
+                self.retire(&rows);
             }
         }
         true

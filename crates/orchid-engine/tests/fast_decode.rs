@@ -15,7 +15,7 @@ use orchid_engine::Tokenizer;
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
 use orchid_engine::sampling::{Sampler, SamplingParams, argmax};
-use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LogitRows, Model, Result};
+use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LogitRows, Model, Result, SeqSpan};
 
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/orchid-tiny")
@@ -25,11 +25,32 @@ fn model_dir() -> PathBuf {
 struct Log {
     prepared: Vec<(usize, DeviceSampling)>,
     steps: Vec<DecodeStep>,
+    /// Sizes of the batched steps.
+    batches: Vec<usize>,
 }
 
 struct Mock {
     log: Arc<Mutex<Log>>,
     fail_prepare: bool,
+    /// Whether it takes batches (`prepare_batch` succeeds).
+    batch: bool,
+}
+
+/// A stand-in for a device sampler: greedy, or a generator keyed by (seed, index).
+fn mock_sample(l: &[f32], step: &DecodeStep) -> u32 {
+    let d = &step.sampling;
+    if d.is_greedy() {
+        return argmax(&l[..d.valid.min(l.len())]) as u32;
+    }
+    let p = SamplingParams {
+        temperature: d.temperature,
+        top_k: d.top_k,
+        top_p: d.top_p,
+        min_p: d.min_p,
+        seed: Some(d.seed ^ step.index as u64),
+        ..Default::default()
+    };
+    Sampler::new(p, &[]).sample(l, d.valid)
 }
 
 impl FastDecode<CpuBackend> for Mock {
@@ -55,24 +76,36 @@ impl FastDecode<CpuBackend> for Mock {
         self.log.lock().unwrap().steps.push(*step);
         let l = m.forward(&[step.token], &BatchLayout::single(step.slot, step.pos, 1), s, LogitRows::LastOfEachSpan)?;
         let l = m.backend.to_host(&l)?;
-        let d = &step.sampling;
-        if d.is_greedy() {
-            return Ok(argmax(&l[..d.valid.min(l.len())]) as u32);
+        Ok(mock_sample(&l, step))
+    }
+
+    fn prepare_batch(&mut self, _m: &Model<CpuBackend>, _s: &mut <CpuBackend as Backend>::State, steps: &[DecodeStep]) -> Result<()> {
+        if !self.batch {
+            return Err(Error::Backend("the mock decodes one at a time".into()));
         }
-        // A stand-in for a device sampler: a generator keyed by (seed, index).
-        let p = SamplingParams {
-            temperature: d.temperature,
-            top_k: d.top_k,
-            top_p: d.top_p,
-            min_p: d.min_p,
-            seed: Some(d.seed ^ step.index as u64),
-            ..Default::default()
-        };
-        Ok(Sampler::new(p, &[]).sample(&l, d.valid))
+        assert!(steps.len() > 1);
+        Ok(())
+    }
+
+    fn step_batch(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, steps: &[DecodeStep]) -> Result<Vec<u32>> {
+        assert!(self.batch, "step_batch without a successful prepare_batch");
+        let mut log = self.log.lock().unwrap();
+        log.steps.extend_from_slice(steps);
+        log.batches.push(steps.len());
+        drop(log);
+        let ids: Vec<u32> = steps.iter().map(|s| s.token).collect();
+        let batch = BatchLayout { spans: steps.iter().map(|s| SeqSpan { slot: s.slot, start: s.pos, len: 1 }).collect() };
+        let l = m.backend.to_host(&m.forward(&ids, &batch, s, LogitRows::LastOfEachSpan)?)?;
+        let v = l.len() / steps.len();
+        Ok(steps.iter().enumerate().map(|(i, st)| mock_sample(&l[i * v..(i + 1) * v], st)).collect())
     }
 }
 
 fn start(fast: Option<bool>, fail_prepare: bool, enabled: bool) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
+    start_with(fast, fail_prepare, enabled, false)
+}
+
+fn start_with(fast: Option<bool>, fail_prepare: bool, enabled: bool, batch: bool) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
     let dir = model_dir();
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let log = Arc::new(Mutex::new(Log::default()));
@@ -90,7 +123,7 @@ fn start(fast: Option<bool>, fail_prepare: bool, enabled: bool) -> (EngineHandle
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;
         let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> =
-            fast.map(|_| Box::new(Mock { log: log2, fail_prepare }) as Box<dyn FastDecode<CpuBackend>>);
+            fast.map(|_| Box::new(Mock { log: log2, fail_prepare, batch }) as Box<dyn FastDecode<CpuBackend>>);
         Ok(LoadedModel { model, fast_decode })
     });
     e.wait_ready().unwrap();
@@ -300,4 +333,38 @@ fn forced_banned_and_biased_tokens_stay_on_the_host() {
         }
     };
     assert_eq!(reason, Some(StopReason::Token(x)));
+}
+
+/// A decoder that takes batches gets every decoding sequence at once (one step per engine step,
+/// distinct slots, each row continuing its own output), also while another prompt is being
+/// prefilled; the greedy text is the generic path's.
+#[test]
+fn several_sequences_decode_as_one_batch() {
+    let (plain, _, tok) = start(None, false, true);
+    let (fast, log, _) = start_with(Some(true), false, true, true);
+    let reqs: Vec<GenerateRequest> = PROMPTS.iter().enumerate().map(|(i, p)| req(&tok, p, 12 + 6 * i)).collect();
+    let solo: Vec<Out> = reqs.iter().map(|r| collect(plain.submit(r.clone()).unwrap())).collect();
+    let rx: Vec<_> = reqs.iter().map(|r| fast.submit(r.clone()).unwrap()).collect();
+    let outs: Vec<Out> = rx.into_iter().map(collect).collect();
+    assert_eq!(outs, solo);
+    let l = log.lock().unwrap();
+    assert!(l.batches.contains(&3), "no step decoded all three: {:?}", l.batches);
+    let pairs: Vec<(&Out, usize)> = outs.iter().zip(&reqs).map(|(o, r)| (o, r.prompt.len())).collect();
+    let per = check_steps(&l.steps, &pairs);
+    // Every token after the first came from the decoder (singly or batched).
+    for (o, n) in outs.iter().zip(&per) {
+        assert_eq!(*n, o.tokens.len() - 1, "{per:?}");
+    }
+    drop(l);
+    // A prompt arriving while two sequences decode: they keep decoding as a batch during its prefill.
+    let long = req(&tok, &PROMPTS[0].repeat(6), 4);
+    let before = log.lock().unwrap().batches.len();
+    let (a, b) = (fast.submit(reqs[0].clone()).unwrap(), fast.submit(reqs[2].clone()).unwrap());
+    std::thread::sleep(Duration::from_millis(50));
+    let c = fast.submit(long.clone()).unwrap();
+    assert_eq!((collect(a), collect(b)), (solo[0].clone(), solo[2].clone()));
+    assert_eq!(collect(c), collect(plain.submit(long).unwrap()));
+    assert!(log.lock().unwrap().batches.len() > before);
+    plain.shutdown(false);
+    fast.shutdown(false);
 }

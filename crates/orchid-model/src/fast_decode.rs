@@ -73,4 +73,19 @@ pub trait FastDecode<B: Backend> {
     /// on the device and returns it. Called after `prepare` with the same slot and sampling.
     /// After an error the sequence's state is undefined (the engine ends the request).
     fn step(&mut self, model: &Model<B>, state: &mut B::State, step: &DecodeStep) -> Result<u32>;
+
+    /// Gets ready to decode the sequences of `steps` together with `step_batch` (e.g. captures
+    /// a graph for a batch of that size) without changing their states. An error means batched
+    /// fast decoding cannot be used (the default: the decoder does one sequence at a time); the
+    /// engine logs it once and runs batches through the generic path.
+    fn prepare_batch(&mut self, model: &Model<B>, state: &mut B::State, steps: &[DecodeStep]) -> Result<()> {
+        let _ = (model, state, steps);
+        Err(crate::error::Error::Op { op: "decode", msg: format!("{} decodes one sequence at a time", self.name()) })
+    }
+
+    /// One decode step of several sequences at once (distinct slots; each step as in `step`,
+    /// after a `prepare_batch` of the same steps): returns the sampled tokens in order. Like `step`, any interleaving
+    /// with `Model::forward` and `step` on the same state is allowed; after an error the
+    /// sequences' states are undefined.
+    fn step_batch(&mut self, model: &Model<B>, state: &mut B::State, steps: &[DecodeStep]) -> Result<Vec<u32>>;
 }

@@ -47,6 +47,9 @@ crate::kernel_abi! {
         part_o: u64,
         part_ml: u64,
         pos_ptr: u64,
+        /// Decode of several sequences (`decode_rows`): the state slot of each row (i32; negative:
+        /// padding), `pos_ptr` one position per row, `table` the first slot's block table.
+        rows_slot: u64,
         t: i32 => "T",
         start: i32,
         hq: i32 => "Hq",
@@ -58,7 +61,8 @@ crate::kernel_abi! {
         scale_log2: f32,
         /// Decode: key tiles per split at least (0 or 1: the keys spread over all splits).
         min_tiles: i32,
-        pad1: i32,
+        /// `decode_rows`: block-table entries per slot.
+        ld_table: i32,
         pad2: i32,
     }
 }
@@ -128,6 +132,22 @@ pub fn decode(c: &Ctx, a: &AttnArgs, d: usize, prep: &PrepArgs) -> Result<()> {
     c.k("attn_combine").launch_raw(&c.gpu, (a.hq as u32, 1, 1), 256, 0, super::params!(*a, d32))
 }
 
+/// `decode` of one token of each of `rows` sequences (see `AttnArgs::rows_slot`); `a.part_o` /
+/// `a.part_ml` hold `rows` times one token's partials.
+pub fn decode_rows(c: &Ctx, a: &AttnArgs, d: usize, prep: &PrepArgs, rows: usize) -> Result<()> {
+    let nz = (a.g as usize).div_ceil(16);
+    let grid = (a.hkv as u32, a.nsplit as u32, (rows * nz) as u32);
+    c.k(&format!("attn_decode_rows_d{d}")).launch_raw(&c.gpu, grid, 128, decode_smem(d) as u32, super::params!(*a, *prep))?;
+    let d32 = d as i32;
+    c.k("attn_combine_rows").launch_raw(&c.gpu, (a.hq as u32, rows as u32, 1), 256, 0, super::params!(*a, d32))
+}
+
+/// Floats of one token's decode partials (output, then max and sum), `nsplit` splits.
+pub fn decode_parts(hq: usize, hkv: usize, d: usize, nsplit: usize) -> (usize, usize) {
+    let nz = (hq / hkv).div_ceil(16);
+    (hkv * nz * nsplit * 16 * d, hkv * nz * nsplit * 16 * 2)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,7 +155,7 @@ mod tests {
     #[test]
     fn sizes_and_limits() {
         assert_eq!(std::mem::size_of::<PrepArgs>(), 144);
-        assert_eq!(std::mem::size_of::<AttnArgs>(), 120);
+        assert_eq!(std::mem::size_of::<AttnArgs>(), 128);
         for d in SUPPORTED_HEAD_DIMS {
             assert!(prefill_smem(d) <= 227 * 1024 && decode_smem(d) <= 227 * 1024, "d {d}");
             let (p, q) = tiles_for(d);

@@ -97,6 +97,8 @@ crate::kernel_abi! {
         state: u64,
         out: u64,
         pos_ptr: u64,
+        /// `gdn_decode_rows`: the state slot of each row (i32; negative: padding, output zeros).
+        rows_slot: u64,
         hk: i32 => "Hk",
         hv: i32 => "Hv",
         dk: i32,
@@ -104,9 +106,15 @@ crate::kernel_abi! {
         kc: i32 => "KC",
         c: i32 => "C",
         pos: i32,
-        pad: i32,
         eps: f32,
-        pad1: f32,
+        /// `gdn_decode_rows`: row strides (floats) of qkv, z, b and a, out.
+        ld_qkv: i32,
+        ld_z: i32,
+        ld_ba: i32,
+        ld_out: i32,
+        /// `gdn_decode_rows`: floats from one slot's conv / recurrent state to the next one's.
+        conv_stride: i32,
+        rec_stride: i32,
     }
 }
 
@@ -195,6 +203,31 @@ pub fn gated_norm(c: &Ctx, a: &GNormArgs) -> Result<()> {
 /// The fused decode step: `hv·DECODE_SPLIT` blocks (clusters of DECODE_SPLIT, one per value
 /// head). Returns the number of kernels launched: 1 on sm_90+; 2 before (no clusters there, so
 /// `gdn_decode` leaves the pre-norm output and `gdn_gated_norm` normalises it in place).
+/// `decode` of one token of each of `rows` sequences (`a.rows_slot`, `a.pos_ptr`: one i32 per row).
+pub fn decode_rows(c: &Ctx, a: &GdnDecodeArgs, rows: usize) -> Result<()> {
+    let smem = decode_smem(a.dk as usize, a.dv as usize, a.kc as usize) as u32;
+    let grid = (a.hv as usize * DECODE_SPLIT) as u32;
+    c.k("gdn_decode_rows").launch(&c.gpu, (grid, rows as u32, 1), DECODE_THREADS as u32, smem, a)?;
+    if c.gpu.cc.0 < 9 {
+        gated_norm(
+            c,
+            &GNormArgs {
+                core: a.out,
+                z: a.z,
+                w: a.norm_w,
+                out: a.out,
+                t: rows as i32,
+                hv: a.hv,
+                dv: a.dv,
+                ldz: a.ld_z,
+                eps: a.eps,
+                pad0: 0,
+            },
+        )?;
+    }
+    Ok(())
+}
+
 pub fn decode(c: &Ctx, a: &GdnDecodeArgs) -> Result<usize> {
     let smem = decode_smem(a.dk as usize, a.dv as usize, a.kc as usize) as u32;
     let grid = (a.hv as usize * DECODE_SPLIT) as u32;
@@ -217,7 +250,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<GdnPrepArgs>(), 88);
         assert_eq!(std::mem::size_of::<ChunkArgs>(), 80);
         assert_eq!(std::mem::size_of::<GNormArgs>(), 56);
-        assert_eq!(std::mem::size_of::<GdnDecodeArgs>(), 136);
+        assert_eq!(std::mem::size_of::<GdnDecodeArgs>(), 160);
         check_dims(128, 128, 8192, 4).unwrap();
         check_dims(32, 48, 288, 4).unwrap();
         check_dims(64, 32, 256, 4).unwrap();

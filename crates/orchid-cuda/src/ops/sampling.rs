@@ -56,6 +56,16 @@ pub fn general(c: &Ctx, a: &SampleArgs) -> Result<()> {
     c.k("sample_general").launch(&c.gpu, (1, 1, 1), SAMPLE_THREADS as u32, 0, a)
 }
 
+/// `argmax` / `general` of each row of [rows, vocab] logits (`SampleArgs` of row 0; the
+/// parameters, partials, counters, tokens and step counters of the rows follow each other).
+pub fn rows(c: &Ctx, a: &SampleArgs, rows: usize, greedy: bool) -> Result<()> {
+    if greedy {
+        c.k("sample_argmax_rows").launch(&c.gpu, (ARGMAX_BLOCKS as u32, rows as u32, 1), 256, 0, a)
+    } else {
+        c.k("sample_general_rows").launch(&c.gpu, (1, rows as u32, 1), SAMPLE_THREADS as u32, 0, a)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -1,0 +1,168 @@
+//! Batched decode: one token of each of up to `bucket` sequences per step, as one CUDA graph that
+//! is a capture of `Model::forward` over a batch of single-token spans, followed by the sampling
+//! of every row on the GPU with the row's own parameters.
+//!
+//! The graph reads its inputs from device buffers (`DeviceBatch`: token ids, state slots,
+//! positions, plus each row's step counter and sampling parameters), so one capture per bucket
+//! size serves whatever sequences are running; rows past the running ones are padding (slot −1:
+//! their attention and GDN blocks write zeros and touch no state). The temporaries of the
+//! forward pass are allocated and freed inside the graph (stream-ordered allocation becomes graph
+//! memory nodes). Between replays the host does what the captured walk cannot: it makes sure
+//! every row's KV blocks exist and keeps the per-layer cache lengths in step, as the eager
+//! decode-rows path would (`decode_rows`).
+
+use std::sync::Arc;
+
+use orchid_model::Model;
+use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
+use orchid_model::error::{Error, Result};
+
+use crate::CudaBackend;
+use crate::decode_rows::DeviceBatch;
+use crate::driver::{DevBuf, Graph};
+use crate::ops::{Ctx, sampling as sp};
+use crate::state::CudaState;
+
+/// One running sequence's decode step.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRow {
+    pub slot: usize,
+    /// Input token, at position `pos` (the slot holds `pos` positions before the step).
+    pub token: u32,
+    pub pos: usize,
+    /// The generator's counter for the sampled token (its index among the generated ones).
+    pub index: usize,
+    pub params: sp::SampleParams,
+}
+
+pub struct BatchGraph {
+    ctx: Arc<Ctx>,
+    pub bucket: usize,
+    pub greedy: bool,
+    graph: Graph,
+    /// i32 [4, bucket]: token ids, slots, positions, step counters.
+    inputs: DevBuf,
+    params: DevBuf,
+    tokens: DevBuf,
+    /// Sampling scratch (kept for the graph's lifetime).
+    _partial: DevBuf,
+    _counters: DevBuf,
+    host_params: Vec<sp::SampleParams>,
+    pub nodes: usize,
+}
+
+impl BatchGraph {
+    /// Captures the decode step of `bucket` rows, sampling greedily or with the general sampler.
+    pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool) -> Result<BatchGraph> {
+        let b = &model.backend;
+        let ctx = b.ctx.clone();
+        let gpu = ctx.gpu.clone();
+        gpu.bind()?;
+        let cfg = &model.config;
+        let v = cfg.vocab_size;
+        if bucket == 0 {
+            return Err(Error::Op { op: "batch decode", msg: "an empty bucket".into() });
+        }
+        let i32s = |n: usize| DevBuf::zeros(&gpu, n * 4);
+        let inputs = i32s(4 * bucket)?;
+        let host_params = vec![sp::SampleParams::greedy(v); bucket];
+        let params = DevBuf::from_slice(&gpu, &host_params)?;
+        let tokens = i32s(bucket)?;
+        let partial = DevBuf::zeros(&gpu, bucket * sp::ARGMAX_BLOCKS * 8)?;
+        let counters = i32s(bucket)?;
+        // Padding everywhere until the first step says otherwise.
+        inputs.upload(bucket * 4, bytemuck::cast_slice(&vec![-1i32; bucket]))?;
+        // Everything the capture needs must exist before it starts.
+        if cfg.num_attention_layers() > 0 {
+            b.inv_freq(cfg.attention.rope_theta, cfg.attention.rotary_dim)?;
+        }
+        gpu.synchronize()?;
+        let at = |i: usize| inputs.ptr + (i * bucket * 4) as u64;
+        b.set_device_batch(Some(DeviceBatch { ids: at(0), slots: at(1), pos: at(2), rows: bucket }));
+        let layout = BatchLayout { spans: (0..bucket).map(|slot| SeqSpan { slot, start: 0, len: 1 }).collect() };
+        let ids = vec![0u32; bucket];
+        let graph = Graph::capture(&gpu, || {
+            let logits = model.forward(&ids, &layout, state, LogitRows::LastOfEachSpan)?;
+            let a = sp::SampleArgs {
+                logits: logits.ptr(),
+                params: params.ptr,
+                partial: partial.ptr,
+                counter: counters.ptr,
+                token_out: tokens.ptr,
+                pos: 0,
+                step: at(3),
+                vocab: v as i32,
+                nblocks: sp::ARGMAX_BLOCKS as i32,
+            };
+            sp::rows(&ctx, &a, bucket, greedy)
+        });
+        b.set_device_batch(None);
+        let graph = graph?;
+        let nodes = graph.num_nodes();
+        tracing::debug!("batch decode graph: {bucket} rows, {nodes} nodes, greedy {greedy}");
+        Ok(BatchGraph { ctx, bucket, greedy, graph, inputs, params, tokens, _partial: partial, _counters: counters, host_params, nodes })
+    }
+
+    /// Runs one decode step of `rows` (at most `bucket`, distinct slots) and returns the sampled
+    /// tokens in row order. The rows' states advance by one position.
+    pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow]) -> Result<Vec<u32>> {
+        let n = rows.len();
+        if n == 0 || n > self.bucket {
+            return Err(Error::Op { op: "batch decode", msg: format!("{n} rows for a graph of {}", self.bucket) });
+        }
+        self.ctx.gpu.bind()?;
+        for r in rows {
+            state.ensure_capacity(r.slot, r.pos + 1)?;
+            let s = state.slot(r.slot)?;
+            if s.attn_len.iter().any(|&l| l != r.pos) {
+                return Err(Error::Op {
+                    op: "batch decode",
+                    msg: format!("slot {}: the cache holds {:?} tokens, the step is at position {}", r.slot, s.attn_len, r.pos),
+                });
+            }
+        }
+        let bk = self.bucket;
+        let mut input = vec![0i32; 4 * bk];
+        input[bk..2 * bk].fill(-1);
+        for (i, r) in rows.iter().enumerate() {
+            input[i] = r.token as i32;
+            input[bk + i] = r.slot as i32;
+            input[2 * bk + i] = r.pos as i32;
+            input[3 * bk + i] = r.index.min(i32::MAX as usize) as i32;
+        }
+        self.inputs.upload(0, bytemuck::cast_slice(&input))?;
+        let mut changed = false;
+        for (i, r) in rows.iter().enumerate() {
+            if self.host_params[i] != r.params {
+                self.host_params[i] = r.params;
+                changed = true;
+            }
+        }
+        if changed {
+            self.params.upload(0, bytemuck::cast_slice(&self.host_params))?;
+        }
+        for r in rows {
+            state.slot_mut(r.slot)?.attn_len.iter_mut().for_each(|l| *l += 1);
+        }
+        self.graph.launch(&self.ctx.gpu)?;
+        let mut out = vec![0i32; n];
+        self.tokens.download(0, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out.into_iter().map(|t| t as u32).collect())
+    }
+}
+
+/// The bucket a batch of `n` rows runs in: the next power of two (at least 2).
+pub fn bucket_for(n: usize) -> usize {
+    n.max(2).next_power_of_two()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn buckets() {
+        assert_eq!(super::bucket_for(1), 2);
+        assert_eq!(super::bucket_for(2), 2);
+        assert_eq!(super::bucket_for(3), 4);
+        assert_eq!(super::bucket_for(33), 64);
+    }
+}
