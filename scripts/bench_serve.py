@@ -55,9 +55,10 @@ at 64 (2,370 / 4,480 / 6,480 / 7,970 / 10,570 tok/s at 4.3 TB/s).
 
 --long-prompt N adds an interference run after the levels: --long-level streams decode
 (--long-stream-tokens each); once every one has streamed a token, one more request with an
-N-token prompt and max_tokens 1 arrives. Reported: its time to first token, and the running
-streams' ITL p50/p99/max over the gaps that overlap its prefill (sent -> answered), next to the
-same figures outside it.
+N-token prompt and max_tokens 1 arrives. Reported: its time to first token (and that of the same
+length sent alone just before, which also warms the long prefill up), and the running streams'
+ITL p50/p99/max over the gaps that overlap its prefill (sent -> answered), next to the same
+figures outside it.
 
 Output: a table on stdout; --json FILE writes the figures as JSON (--json alone: JSON on stdout,
 the table on stderr).
@@ -191,6 +192,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(binary), "serve", "--model", str(model), "--port", str(self.port), "--device", args.device,
                "--max-seqs", str(args.max_seqs), "--max-context", str(args.max_context), *args.serve_arg]
+        if not any(a.startswith("--shutdown-timeout") for a in args.serve_arg):
+            cmd += ["--shutdown-timeout", "1"]  # streams cut short by Ctrl-C do not hold the exit
         print(f"starting: {' '.join(cmd)}\n  log: {self.log_path}", file=sys.stderr)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=dict(os.environ, ORCHID_LOG=os.environ.get("ORCHID_LOG", "info")),
@@ -310,6 +313,7 @@ class Stream:
         self.chunks: list[float] = []  # arrival of each chunk carrying text
         self.tokens: int | None = None  # completion_tokens from usage
         self.error: str | None = None
+        self.done = False  # saw `data: [DONE]`
 
     def connect(self):
         self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
@@ -335,6 +339,8 @@ class Stream:
                     event, buf = buf.split(b"\n\n", 1)
                     self._event(event, now)
             self.end = time.perf_counter()
+            if not self.done:
+                raise BenchError("the stream ended before `data: [DONE]`")
         except Exception as e:  # noqa: BLE001 - reported per stream
             self.error = f"{type(e).__name__}: {e}"
             self.end = time.perf_counter()
@@ -350,6 +356,7 @@ class Stream:
             if self.first_event is None:
                 self.first_event = now
             if data == b"[DONE]":
+                self.done = True
                 continue
             c = json.loads(data)
             if "error" in c:
@@ -394,10 +401,10 @@ def run_streams(streams: list[Stream], server: Server | None, timeout: float, du
                 server.check_alive()
             if time.time() > deadline:
                 raise BenchError(f"the streams did not finish within {timeout:.0f} s")
+    if server is not None:
+        server.check_alive()
     errors = [s.error for s in streams if s.error]
     if errors:
-        if server is not None:
-            server.check_alive()
         raise BenchError(f"{len(errors)} of {len(streams)} streams failed, e.g. {errors[0]}")
     return release[0]
 
@@ -497,8 +504,16 @@ class Bench:
     def interference(self) -> dict:
         a = self.args
         streams = self.streams(a.long_level, "interference", a.prompt_tokens, a.long_stream_tokens)
-        long = Stream(self.url, {**completion_body(self.model_id, self.prompt(random.Random(f"{a.seed}/long"), a.long_prompt), 1)},
-                      a.timeout)
+        long = Stream(self.url, completion_body(self.model_id, self.prompt(random.Random(f"{a.seed}/long"), a.long_prompt), 1), a.timeout)
+
+        # The same length alone first: a warm-up for the long prefill, and the baseline.
+        alone = Stream(self.url, completion_body(self.model_id, self.prompt(random.Random(f"{a.seed}/long-alone"), a.long_prompt), 1),
+                       a.timeout)
+        alone.run()
+        if alone.error:
+            if self.server is not None:
+                self.server.check_alive()
+            raise BenchError(f"the long request failed: {alone.error}")
 
         def send_long(streams: list[Stream]):
             deadline = time.time() + a.timeout
@@ -518,6 +533,7 @@ class Bench:
         return {
             "streams": a.long_level, "stream_tokens": a.long_stream_tokens, "long_prompt_tokens": a.long_prompt,
             "long_ttft_s": (long.first_event or long.end) - long.sent,
+            "long_alone_ttft_s": (alone.first_event or alone.end) - alone.sent,
             "long_total_s": long.end - long.sent,
             "streams_decoding_after_long": alive,
             "itl_during_long_p50_s": pct(inside, 50), "itl_during_long_p99_s": pct(inside, 99),
@@ -557,7 +573,7 @@ def print_table(meta: dict, rows: list[dict], interference: dict | None, out):
     if interference:
         i = interference
         print(f"interference: {i['streams']} streams x {i['stream_tokens']} tokens, a {i['long_prompt_tokens']}-token prompt "
-              f"arrives: its TTFT {ms(i['long_ttft_s'])} ms; the streams' ITL during its prefill p50 "
+              f"arrives: its TTFT {ms(i['long_ttft_s'])} ms (alone {ms(i['long_alone_ttft_s'])} ms); the streams' ITL during its prefill p50 "
               f"{ms(i['itl_during_long_p50_s'])} / p99 {ms(i['itl_during_long_p99_s'])} / max {ms(i['itl_during_long_max_s'])} ms "
               f"({i['gaps_during_long']} gaps), outside it p50 {ms(i['itl_outside_p50_s'])} / p99 {ms(i['itl_outside_p99_s'])} ms; "
               f"{i['streams_decoding_after_long']} streams still decoding after it", file=out)
@@ -608,8 +624,16 @@ def parse_args(argv=None):
     return args
 
 
+def interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # SIGTERM (and SIGINT, even where a non-interactive shell ignores it) ends the run, and the
+    # `finally` below ends the server.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     server = None
     model_dir = args.model
     try:
