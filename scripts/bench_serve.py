@@ -222,9 +222,13 @@ class Server:
             if time.time() > deadline:
                 raise BenchError(f"the server was not ready after {timeout:.0f} s; its log:\n{self.tail()}")
             time.sleep(0.25)
-        ready = [line for line in self.tail(200).splitlines() if "ready:" in line]
-        if ready:
-            print(ready[-1], file=sys.stderr)
+        # The log's summary (device, weights, context, sequences) follows /health shortly.
+        for _ in range(50):
+            ready = [line for line in self.tail(200).splitlines() if "ready:" in line]
+            if ready:
+                print(ready[-1], file=sys.stderr)
+                break
+            time.sleep(0.1)
 
     def stop(self):
         if self.proc.poll() is None:
