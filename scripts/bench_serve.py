@@ -67,6 +67,7 @@ the table on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import math
@@ -187,7 +188,7 @@ class Server:
 
     def __init__(self, binary: Path, model: Path, args):
         self.log_path = Path(tempfile.gettempdir()) / f"orchid-bench-serve-{os.getpid()}.log"
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - the server writes to it until stop()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(binary), "serve", "--model", str(model), "--port", str(self.port), "--device", args.device,
@@ -269,7 +270,7 @@ def prepare_model(binary: Path, args) -> Path:
     print(f"synthesizing: {' '.join(cmd)}", file=sys.stderr)
     # The bundled tokenizer is found under $ORCHID_HOME (or next to the binary).
     env = dict(os.environ, ORCHID_HOME=os.environ.get("ORCHID_HOME", str(REPO)))
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if p.returncode != 0:
         shutil.rmtree(out, ignore_errors=True)
         raise BenchError(f"orchid synth failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -296,10 +297,8 @@ def metrics(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             k, _, v = line.rpartition(" ")
-            try:
+            with contextlib.suppress(ValueError):
                 out[k] = float(v)
-            except ValueError:
-                pass
     return out
 
 
@@ -577,14 +576,15 @@ def print_table(meta: dict, rows: list[dict], interference: dict | None, out):
     if interference:
         i = interference
         print(f"interference: {i['streams']} streams x {i['stream_tokens']} tokens, a {i['long_prompt_tokens']}-token prompt "
-              f"arrives: its TTFT {ms(i['long_ttft_s'])} ms (alone {ms(i['long_alone_ttft_s'])} ms); the streams' ITL during its prefill p50 "
-              f"{ms(i['itl_during_long_p50_s'])} / p99 {ms(i['itl_during_long_p99_s'])} / max {ms(i['itl_during_long_max_s'])} ms "
-              f"({i['gaps_during_long']} gaps), outside it p50 {ms(i['itl_outside_p50_s'])} / p99 {ms(i['itl_outside_p99_s'])} ms; "
+              f"arrives: its TTFT {ms(i['long_ttft_s'])} ms (alone {ms(i['long_alone_ttft_s'])} ms);", file=out)
+        print(f"  the streams' ITL during its prefill p50 / p99 / max {ms(i['itl_during_long_p50_s'])} / "
+              f"{ms(i['itl_during_long_p99_s'])} / {ms(i['itl_during_long_max_s'])} ms ({i['gaps_during_long']} gaps), "
+              f"outside it p50 / p99 {ms(i['itl_outside_p50_s'])} / {ms(i['itl_outside_p99_s'])} ms; "
               f"{i['streams_decoding_after_long']} streams still decoding after it", file=out)
 
 
 def git_commit() -> str:
-    p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     return p.stdout.strip() or "unknown"
 
 

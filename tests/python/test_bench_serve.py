@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 import test_server_support as S
 
 SCRIPT = S.REPO / "scripts" / "bench_serve.py"
@@ -63,7 +62,8 @@ def test_byte_floor_qwen36():
 
 def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, ORCHID_BIN=str(S.orchid_binary()))
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    cmd = [sys.executable, str(SCRIPT), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 @pytest.mark.skipif(S.binary_problem() is not None, reason=str(S.binary_problem()))
