@@ -671,7 +671,7 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    meta = {"model": model_id, "model_dir": str(model_dir) if model_dir else None, "device": args.device,
+    meta = {"model": model_id, "model_dir": str(model_dir) if model_dir else None, "device": "(--url)" if args.url else args.device,
             "commit": git_commit(), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "seed": args.seed,
             "hbm_tbps": args.hbm_tbps, "max_seqs": args.max_seqs, "max_context": args.max_context}
