@@ -13,7 +13,7 @@ LOG="${ORCHID_LOG_DIR:-/tmp/orchid-gpu-test}"
 mkdir -p "$LOG"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$LOG/gpu.txt"
 fail=0
-for t in ${ORCHID_TESTS:-unit nvrtc_compile gpu_engine gpu_prefix_cache gpu_determinism gpu_ops gpu_moe_decode gpu_model}; do
+for t in ${ORCHID_TESTS:-unit nvrtc_compile gpu_engine gpu_prefix_cache gpu_determinism gpu_ops gpu_moe_decode gpu_batch_decode gpu_model}; do
   [ -x "dist/tests/$t" ] || { echo "missing dist/tests/$t"; fail=1; continue; }
   start=$(date +%s)
   # The GPU tests are #[ignore]d (a machine without a GPU reports them as ignored): run them.

@@ -40,6 +40,18 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
     if (lane < a.topk) atomicAdd((int*)a.counts + ids[lane], 1);
 }
 
+// Top-k of each token for the per-token expert kernels (moe_decode.cu *_rows): a warp per
+// token; routing weights with a row stride of topk + shared, the shared expert's gate
+// sigmoid(logit at column E) after the token's top-k weights when `shared`. No counts.
+extern "C" __global__ void __launch_bounds__(128) moe_topk_rows(const TopkArgs a) {
+    const int t = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (t >= a.T) return;
+    const float* l = (const float*)a.logits + (i64)t * a.ldl;
+    float* w = (float*)a.wts + (i64)t * (a.topk + a.shared);
+    warp_topk(l, a.E, a.topk, a.renorm, (int*)a.ids + (i64)t * a.topk, w);
+    if (lane == 0 && a.shared) w[a.topk] = sigmoidf_(l[a.E]);
+}
+
 // One block of 1024 threads: offsets = exclusive scan of counts, cursor = offsets, and the
 // grouped-GEMM tile table {expert, first position, count, 0}.
 extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {

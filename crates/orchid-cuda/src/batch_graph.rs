@@ -49,11 +49,27 @@ pub struct BatchGraph {
     _counters: DevBuf,
     host_params: Vec<sp::SampleParams>,
     pub nodes: usize,
+    /// Per-launch timing events when captured with `profile` (see `profile_summary`).
+    prof: Vec<(&'static str, crate::driver::Event)>,
 }
 
 impl BatchGraph {
     /// Captures the decode step of `bucket` rows, sampling greedily or with the general sampler.
     pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool) -> Result<BatchGraph> {
+        Self::build(model, state, bucket, greedy, false)
+    }
+
+    /// Like `new`, with a timing event after every launch of the step (slower; for profiles).
+    pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool) -> Result<BatchGraph> {
+        Self::build(model, state, bucket, greedy, true)
+    }
+
+    /// Time per kernel name over the last replayed step: (name, launches, ms), largest first.
+    pub fn profile_summary(&self) -> Result<Vec<(&'static str, usize, f64)>> {
+        crate::driver::profile_summary(&self.prof)
+    }
+
+    fn build(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool, profile: bool) -> Result<BatchGraph> {
         let b = &model.backend;
         let ctx = b.ctx.clone();
         let gpu = ctx.gpu.clone();
@@ -81,26 +97,60 @@ impl BatchGraph {
         b.set_device_batch(Some(DeviceBatch { ids: at(0), slots: at(1), pos: at(2), rows: bucket }));
         let layout = BatchLayout { spans: (0..bucket).map(|slot| SeqSpan { slot, start: 0, len: 1 }).collect() };
         let ids = vec![0u32; bucket];
+        let sample = sp::SampleArgs {
+            logits: 0,
+            params: params.ptr,
+            partial: partial.ptr,
+            counter: counters.ptr,
+            token_out: tokens.ptr,
+            pos: 0,
+            step: at(3),
+            vocab: v as i32,
+            nblocks: sp::ARGMAX_BLOCKS as i32,
+        };
+        let mut prof = Vec::new();
         let graph = Graph::capture(&gpu, || {
-            let logits = model.forward(&ids, &layout, state, LogitRows::LastOfEachSpan)?;
-            let a = sp::SampleArgs {
-                logits: logits.ptr(),
-                params: params.ptr,
-                partial: partial.ptr,
-                counter: counters.ptr,
-                token_out: tokens.ptr,
-                pos: 0,
-                step: at(3),
-                vocab: v as i32,
-                nblocks: sp::ARGMAX_BLOCKS as i32,
-            };
-            sp::rows(&ctx, &a, bucket, greedy)
+            if profile {
+                crate::driver::profile_begin_capture()?;
+            }
+            let r = Self::enqueue(model, state, &ids, &layout, &sample, greedy);
+            if profile {
+                prof = crate::driver::profile_end();
+            }
+            r
         });
         b.set_device_batch(None);
         let graph = graph?;
         let nodes = graph.num_nodes();
         tracing::debug!("batch decode graph: {bucket} rows, {nodes} nodes, greedy {greedy}");
-        Ok(BatchGraph { ctx, bucket, greedy, graph, inputs, params, tokens, _partial: partial, _counters: counters, host_params, nodes })
+        Ok(BatchGraph {
+            ctx,
+            bucket,
+            greedy,
+            graph,
+            inputs,
+            params,
+            tokens,
+            _partial: partial,
+            _counters: counters,
+            host_params,
+            nodes,
+            prof,
+        })
+    }
+
+    /// The captured work: the forward pass over the rows, then the sampling of every row (`a`:
+    /// the sampling arguments of row 0, but for the logits).
+    fn enqueue(
+        model: &Model<CudaBackend>,
+        state: &mut CudaState,
+        ids: &[u32],
+        layout: &BatchLayout,
+        a: &sp::SampleArgs,
+        greedy: bool,
+    ) -> Result<()> {
+        let logits = model.forward(ids, layout, state, LogitRows::LastOfEachSpan)?;
+        sp::rows(&model.backend.ctx, &sp::SampleArgs { logits: logits.ptr(), ..*a }, layout.spans.len(), greedy)
     }
 
     /// Runs one decode step of `rows` (at most `bucket`, distinct slots) and returns the sampled

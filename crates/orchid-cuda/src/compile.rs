@@ -50,7 +50,17 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[format_abi, gemv::matvec_abi, moe_decode::moe_decode_abi],
         headers: &[MATVEC],
         source: include_str!("../kernels/moe_decode.cu"),
-        kernels: &["moe_up_q4", "moe_up_bf16", "moe_route_up_q4", "moe_down_q4", "moe_down_bf16"],
+        kernels: &[
+            "moe_up_q4",
+            "moe_up_bf16",
+            "moe_route_up_q4",
+            "moe_down_q4",
+            "moe_down_bf16",
+            "moe_up_rows_q4",
+            "moe_up_rows_bf16",
+            "moe_down_rows_q4",
+            "moe_down_rows_bf16",
+        ],
     },
     KernelFile {
         name: "gemm",
@@ -108,7 +118,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[moe::moe_abi],
         headers: &[],
         source: include_str!("../kernels/moe.cu"),
-        kernels: &["moe_topk", "moe_scan", "moe_scatter", "moe_combine"],
+        kernels: &["moe_topk", "moe_topk_rows", "moe_scan", "moe_scatter", "moe_combine"],
     },
     KernelFile {
         name: "sampling",

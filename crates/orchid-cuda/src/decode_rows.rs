@@ -78,7 +78,8 @@ pub fn attention(
     }
     let (slots, pos, _keep) = rows_meta(b, batch)?;
     let inv_freq = b.inv_freq(dims.rope_theta, dims.rotary_dim)?;
-    let nsplit = c.tuning.attn_splits.clamp(1, at::MAX_SPLITS);
+    // Splits enough for about two blocks per SM over all rows (the positions are device data).
+    let nsplit = (2 * b.gpu().sms as usize).div_ceil(hkv * rows).clamp(1, c.tuning.attn_splits.clamp(1, at::MAX_SPLITS));
     let (po, pml) = at::decode_parts(hq, hkv, d, nsplit);
     let part_o = DevBuf::alloc(b.gpu(), rows * po * 4)?;
     let part_ml = DevBuf::alloc(b.gpu(), rows * pml * 4)?;

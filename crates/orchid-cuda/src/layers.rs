@@ -10,6 +10,8 @@ use orchid_model::error::{Error, Result};
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::silu_mul;
 use crate::ops::gemm::{Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
+use crate::ops::gemv::gemv;
+use crate::ops::moe_decode::{MoeDecode, moe_down_rows, moe_up_rows};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::{CudaBackend, CudaTensor};
@@ -251,6 +253,21 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     if e > 512 || k > 32 || w.experts.num != e {
         return Err(Error::Op { op: "moe", msg: format!("{e} experts / top-{k} (the GPU router handles at most 512 / 32)") });
     }
+    if t <= c.tuning.moe_rows_max && w.shared.is_some() == w.shared_gate.is_some() {
+        let shared = w.shared.as_ref();
+        let md = MoeDecode {
+            gate: Some(&w.experts.gate),
+            up: Some(&w.experts.up),
+            down: Some(&w.experts.down),
+            sh_gate: shared.map(|s| &s.gate_proj),
+            sh_up: shared.map(|s| &s.up_proj),
+            sh_down: shared.map(|s| &s.down_proj),
+            topk: k,
+        };
+        if md.fmt().is_ok() {
+            return moe_rows(b, x, w, dims, &md);
+        }
+    }
     let gpu = b.gpu();
     let logits = b.tensor(t, e)?;
     // x rounded to bf16 with its group sums, once for every GEMM that reads it (router, experts'
@@ -352,5 +369,50 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
             ld_sg: 1,
         },
     )?;
+    Ok(out)
+}
+
+/// The MoE block of a few tokens through the per-token expert kernels of the decode path: router
+/// (and shared gate) logits, top-k per token, every token's routed and shared experts' gate/up
+/// in one launch, their down projections weighted and summed in another.
+fn moe_rows(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims, md: &MoeDecode) -> Result<CudaTensor> {
+    let c = &b.ctx;
+    let (t, h) = (x.rows, x.cols);
+    let (e, k) = (dims.num_experts, dims.top_k);
+    let ns = w.shared_gate.is_some() as usize;
+    let logits = b.tensor(t, e + ns)?;
+    match &w.shared_gate {
+        Some(sg) if t <= 8 && sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
+            gemv(c, &[(&w.router, 0), (sg, e)], x.ptr(), h, t, None, logits.ptr(), e + ns, false, None)?;
+        }
+        sg => {
+            matmul(c, &w.router, x.ptr(), h, t, logits.ptr(), e + ns)?;
+            if let Some(sg) = sg {
+                matmul(c, sg, x.ptr(), h, t, logits.ptr() + (e * 4) as u64, e + ns)?;
+            }
+        }
+    }
+    let ids = DevBuf::alloc(b.gpu(), t * k * 4)?;
+    let wts = DevBuf::alloc(b.gpu(), t * (k + ns) * 4)?;
+    mo::topk_rows(
+        c,
+        &mo::TopkArgs {
+            logits: logits.ptr(),
+            ids: ids.ptr,
+            wts: wts.ptr,
+            t: t as i32,
+            e: e as i32,
+            topk: k as i32,
+            renorm: dims.norm_topk_prob as i32,
+            ldl: (e + ns) as i32,
+            shared: ns as i32,
+            ..Default::default()
+        },
+    )?;
+    let hbuf = DevBuf::alloc(b.gpu(), t * (k + ns) * md.hstride() * 4)?;
+    moe_up_rows(c, md, x.ptr(), ids.ptr, hbuf.ptr, t)?;
+    let out = b.tensor(t, h)?;
+    out.buf.memset0()?;
+    moe_down_rows(c, md, hbuf.ptr, wts.ptr, ids.ptr, out.ptr(), t)?;
     Ok(out)
 }

@@ -50,11 +50,14 @@ pub struct Tuning {
     pub attn_splits: usize,
     /// Key tiles per split at least in the graph's decode attention (short contexts: fewer splits).
     pub attn_min_tiles: usize,
+    /// Most tokens an op-level MoE block runs through the per-token expert kernels (each token
+    /// reads its own experts); larger batches take the grouped GEMM (each expert read once).
+    pub moe_rows_max: usize,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { gemv_per_sm: 3, moe_up_ksplit: 0, router_kparts: 8, attn_splits: 64, attn_min_tiles: 8 }
+        Tuning { gemv_per_sm: 3, moe_up_ksplit: 0, router_kparts: 8, attn_splits: 64, attn_min_tiles: 8, moe_rows_max: 8 }
     }
 }
 
@@ -67,6 +70,7 @@ impl Tuning {
             router_kparts: self.router_kparts.clamp(1, crate::ops::gemv::ROUTER_KPARTS),
             attn_splits: self.attn_splits.clamp(1, crate::ops::attention::MAX_SPLITS),
             attn_min_tiles: self.attn_min_tiles.min(4096),
+            moe_rows_max: self.moe_rows_max.min(4096),
         }
     }
 }
@@ -79,7 +83,7 @@ mod tests {
     fn defaults_are_within_range() {
         let t = Tuning::default();
         assert_eq!(t.clamped(), t);
-        let wild = Tuning { gemv_per_sm: 9, moe_up_ksplit: 99, router_kparts: 0, attn_splits: 1 << 20, attn_min_tiles: 1 << 20 };
+        let wild = Tuning { gemv_per_sm: 9, moe_up_ksplit: 99, router_kparts: 0, attn_splits: 1 << 20, attn_min_tiles: 1 << 20, moe_rows_max: 0 };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);

@@ -17,7 +17,8 @@ crate::kernel_abi! {
         topk: i32,
         renorm: i32,
         ldl: i32,
-        pad0: i32,
+        /// `topk_rows`: 1 when column E holds the shared expert's gate logit.
+        shared: i32,
         pad1: i32,
         pad2: i32,
     }
@@ -61,6 +62,12 @@ crate::kernel_abi! {
 
 pub fn topk(c: &Ctx, a: &TopkArgs) -> Result<()> {
     c.k("moe_topk").launch(&c.gpu, ((a.t as usize).div_ceil(4) as u32, 1, 1), 128, 0, a)
+}
+
+/// Top-k per token for the per-token expert kernels (`moe_decode::moe_up_rows`): ids [T, topk],
+/// weights [T, topk + shared] (the shared expert's sigmoid gate last).
+pub fn topk_rows(c: &Ctx, a: &TopkArgs) -> Result<()> {
+    c.k("moe_topk_rows").launch(&c.gpu, ((a.t as usize).div_ceil(4) as u32, 1, 1), 128, 0, a)
 }
 
 pub fn scan(c: &Ctx, a: &ScanArgs) -> Result<()> {

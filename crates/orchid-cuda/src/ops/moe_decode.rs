@@ -94,7 +94,7 @@ pub struct MoeDecode<'a> {
 }
 
 impl MoeDecode<'_> {
-    fn fmt(&self) -> Result<WFormat> {
+    pub fn fmt(&self) -> Result<WFormat> {
         let all: Vec<&GpuLinear> = [self.gate, self.up, self.down, self.sh_gate, self.sh_up, self.sh_down].into_iter().flatten().collect();
         let f = all.first().map(|w| w.fmt).ok_or_else(|| Error::Op { op: "moe", msg: "no experts".into() })?;
         if all.iter().any(|w| w.fmt != f) {
@@ -149,7 +149,13 @@ pub fn can_fuse_route(c: &Ctx, m: &MoeDecode, r: &FusedRoute) -> bool {
 
 /// h[src] = silu(gate_src · xn) ⊙ (up_src · xn), xn = rms_norm(x) (one token).
 pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64) -> Result<()> {
-    moe_up_impl(c, m, x, norm, ids, h, None)
+    moe_up_impl(c, m, x, norm, ids, h, None, None)
+}
+
+/// `moe_up` of `rows` tokens (x [rows, K] not normalised, ids [rows, topk], h per token `nsrc ·
+/// hstride` floats).
+pub fn moe_up_rows(c: &Ctx, m: &MoeDecode, x: u64, ids: u64, h: u64, rows: usize) -> Result<()> {
+    moe_up_impl(c, m, x, (0, 0.0), ids, h, None, Some(rows))
 }
 
 /// Router and `moe_up` in one kernel (see `FusedRoute`); `ids` receives the routing for moe_down.
@@ -157,10 +163,20 @@ pub fn moe_route_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, 
     if !can_fuse_route(c, m, r) {
         return Err(Error::Op { op: "moe_route_up", msg: "layer shape not supported by the fused router".into() });
     }
-    moe_up_impl(c, m, x, norm, ids, h, Some(r))
+    moe_up_impl(c, m, x, norm, ids, h, Some(r), None)
 }
 
-fn moe_up_impl(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64, route: Option<&FusedRoute>) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+fn moe_up_impl(
+    c: &Ctx,
+    m: &MoeDecode,
+    x: u64,
+    norm: (u64, f32),
+    ids: u64,
+    h: u64,
+    route: Option<&FusedRoute>,
+    rows: Option<usize>,
+) -> Result<()> {
     let fmt = m.fmt()?;
     let any = m.gate.or(m.sh_gate).unwrap();
     let (k, kpad) = (any.cols, any.kpad);
@@ -204,11 +220,23 @@ fn moe_up_impl(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u6
         a.router_blocks = ((r.e / 16 + a.has_shared as usize) * ROUTER_KPARTS) as i32;
         name = "moe_route_up_q4";
     }
-    c.k(name).launch(&c.gpu, (tiles.div_ceil(8 / ks) as u32, nsrc as u32, 1), 256, smem as u32, &a)
+    if rows.is_some() {
+        name = if fmt == WFormat::Q4 { "moe_up_rows_q4" } else { "moe_up_rows_bf16" };
+    }
+    c.k(name).launch(&c.gpu, (tiles.div_ceil(8 / ks) as u32, nsrc as u32, rows.unwrap_or(1) as u32), 256, smem as u32, &a)
 }
 
 /// out += Σ_src w[src] · down_src · h[src]  (w: routing weights, then the shared gate).
 pub fn moe_down(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64) -> Result<()> {
+    moe_down_impl(c, m, h, route_w, ids, out, None)
+}
+
+/// `moe_down` of `rows` tokens (route_w [rows, nsrc], out [rows, H] accumulated).
+pub fn moe_down_rows(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64, rows: usize) -> Result<()> {
+    moe_down_impl(c, m, h, route_w, ids, out, Some(rows))
+}
+
+fn moe_down_impl(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64, rows: Option<usize>) -> Result<()> {
     let fmt = m.fmt()?;
     let any = m.down.or(m.sh_down).unwrap();
     let hdim = any.rows;
@@ -232,8 +260,13 @@ pub fn moe_down(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u64
     let nsrc = m.topk + a.has_shared as usize;
     let kmax = (a.kpad_r.max(a.kpad_s)) as usize;
     let smem = ring_bytes(fmt) + nsrc * x_stage_bytes(fmt, kmax) + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
-    let name = if fmt == WFormat::Q4 { "moe_down_q4" } else { "moe_down_bf16" };
-    c.k(name).launch(&c.gpu, (hdim.div_ceil(16) as u32, 1, 1), 256, smem as u32, &a)
+    let name = match (fmt, rows.is_some()) {
+        (WFormat::Q4, false) => "moe_down_q4",
+        (WFormat::Bf16, false) => "moe_down_bf16",
+        (WFormat::Q4, true) => "moe_down_rows_q4",
+        (WFormat::Bf16, true) => "moe_down_rows_bf16",
+    };
+    c.k(name).launch(&c.gpu, (hdim.div_ceil(16) as u32, rows.unwrap_or(1) as u32, 1), 256, smem as u32, &a)
 }
 
 #[cfg(test)]

@@ -67,6 +67,13 @@ pub struct BenchArgs {
     /// Prompt length of the --profile run.
     #[arg(long, default_value_t = 4096)]
     profile_length: usize,
+    /// Batched decode: batch sizes (comma-separated) to time the batch graph at, each sequence
+    /// at --batch-context tokens (see cmd/bench_batch.rs); --decode steps per run.
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Context of every sequence of a --batch run.
+    #[arg(long, default_value_t = 512)]
+    batch_context: usize,
     /// Stop starting new lengths after this many seconds (the rest are reported as not run).
     #[arg(long)]
     time_budget: Option<f64>,
@@ -225,6 +232,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         } else {
             report["check_cpu"] = check_cpu(&m, &dir, a.check_cpu, 0)?;
         }
+    }
+    if !a.batch.is_empty() {
+        report["batch_decode"] = super::bench_batch::batch_decode(&m, &a.batch, a.batch_context, a.decode, a.runs, a.profile)?;
     }
     if !a.no_speed {
         let max_len = *lengths.iter().max().unwrap_or(&256);

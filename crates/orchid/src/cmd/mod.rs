@@ -1,5 +1,6 @@
 //! One module per subcommand.
 pub mod bench;
+pub mod bench_batch;
 pub mod chat;
 pub mod common;
 pub mod env_options;
