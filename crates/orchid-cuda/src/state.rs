@@ -95,13 +95,18 @@ impl MemoryPlan {
         self.budget.saturating_sub(self.gdn_bytes + self.kv_bytes())
     }
 
+    /// The prefix cache's default budget: 15% of the state budget, at most 8 GiB.
+    pub fn default_cache_bytes(&self) -> usize {
+        ((self.budget as f64 * DEFAULT_CACHE_SHARE) as usize).min(DEFAULT_CACHE_MAX)
+    }
+
     /// The prefix cache's byte budget and the KV blocks added to the pool for it, for a cache
     /// that asks for `want` bytes (`None`: 15% of the state budget, at most 8 GiB). The cache
     /// holds KV blocks and GDN copies together within its budget: the pool grows by
     /// `budget / block_bytes` blocks and as much again is left free for the GDN copies, all out
     /// of [`spare`](Self::spare); the budget shrinks to fit.
     pub fn cache_reserve(&self, want: Option<usize>) -> (usize, usize) {
-        let want = want.unwrap_or(((self.budget as f64 * DEFAULT_CACHE_SHARE) as usize).min(DEFAULT_CACHE_MAX));
+        let want = want.unwrap_or(self.default_cache_bytes());
         if self.block_bytes == 0 {
             return (want.min(self.spare()), 0);
         }
@@ -473,8 +478,17 @@ impl StatePool for CudaState {
         if self.slots.iter().any(Option::is_some) {
             return Err(Error::Backend("the prefix cache must be reserved before any slot is used".into()));
         }
-        let (budget, extra) = self.plan.cache_reserve(budget);
+        let asked = budget.unwrap_or(self.plan.default_cache_bytes());
+        let (budget, extra) = self.plan.cache_reserve(Some(asked));
         self.cache_budget = Some(budget);
+        if budget < asked {
+            tracing::warn!(
+                "prefix cache: {:.0} MiB asked for, {:.0} MiB fit in what the GDN state and the KV cache leave of the memory budget \
+                 (raise --gpu-memory-utilization, or lower --max-seqs or --max-context)",
+                asked as f64 / 1048576.0,
+                budget as f64 / 1048576.0
+            );
+        }
         if self.n_attn == 0 || extra == 0 {
             return Ok(budget);
         }

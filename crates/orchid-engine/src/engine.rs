@@ -613,13 +613,14 @@ impl<B: Backend> Engine<B> {
                 self.waiting.push_front((req, tx));
                 return;
             };
-            self.state.promise(slot, need);
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             self.stats.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
             let mut req = *req;
             let req_thinking = req.thinking.is_some();
             let constraint = req.constraint.take();
             let (cached, save_points) = self.restore_prefix(slot, &req.prompt);
+            // After the restore (which takes no free blocks, and may start the slot afresh).
+            self.state.promise(slot, need);
             let fast_ok = device_sampling_ok(&req) && constraint.is_none();
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
