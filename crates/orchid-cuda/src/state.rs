@@ -370,6 +370,18 @@ impl CudaState {
         }
     }
 
+    /// (Re)allocates the K and V pools of every attention layer for `num_blocks` blocks.
+    fn alloc_pools(&mut self, num_blocks: usize) -> Result<()> {
+        let per_layer = num_blocks * self.kv_heads * KV_BLOCK * self.head_dim * 2;
+        self.kpool.clear();
+        self.vpool.clear();
+        for _ in 0..self.n_attn {
+            self.kpool.push(DevBuf::alloc(&self.gpu, per_layer)?);
+            self.vpool.push(DevBuf::alloc(&self.gpu, per_layer)?);
+        }
+        Ok(())
+    }
+
     /// Blocks promised to live slots (all but `except`) and not taken yet.
     fn outstanding(&self, except: Option<usize>) -> usize {
         self.slots
@@ -493,12 +505,11 @@ impl StatePool for CudaState {
             return Ok(budget);
         }
         let num_blocks = self.plan.kv_blocks + extra;
-        let per_layer = num_blocks * self.kv_heads * KV_BLOCK * self.head_dim * 2;
-        self.kpool.clear();
-        self.vpool.clear();
-        for _ in 0..self.n_attn {
-            self.kpool.push(DevBuf::alloc(&self.gpu, per_layer)?);
-            self.vpool.push(DevBuf::alloc(&self.gpu, per_layer)?);
+        if let Err(e) = self.alloc_pools(num_blocks) {
+            // Back to the pool without the cache's blocks, so that the state stays usable.
+            self.cache_budget = None;
+            self.alloc_pools(self.num_blocks)?;
+            return Err(e);
         }
         self.num_blocks = num_blocks;
         self.free_blocks = (0..num_blocks as u32).rev().collect();
