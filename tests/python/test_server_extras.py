@@ -176,9 +176,9 @@ def test_vllm_metric_names(server):
 
 def test_flags_from_the_environment_and_aliases():
     out = S.subprocess.run([str(S.orchid_binary()), "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
-    for alias in ("--max-model-len", "--max-num-seqs", "--served-model-name"):
+    for alias in ("--max-model-len", "--max-num-seqs", "--served-model-name", "--max-num-batched-tokens", "--gpu-memory-utilization"):
         assert alias in out, alias
-    assert "ORCHID_MAX_SEQS" in out and "ORCHID_PORT" in out
+    assert "ORCHID_MAX_SEQS" in out and "ORCHID_PORT" in out and "ORCHID_GPU_MEMORY_UTILIZATION" in out
     old = {k: os.environ.get(k) for k in ("ORCHID_MAX_SEQS", "ORCHID_MODEL_ID")}
     os.environ.update(ORCHID_MAX_SEQS="3", ORCHID_MODEL_ID="from-env")
     try:

@@ -402,6 +402,38 @@ def test_queue_bounds():
         s.stop(timeout=30)
 
 
+def test_requests_wait_for_kv_cache_room():
+    # A KV cache of one full-length sequence: a request of ~5 + 300 tokens at a time runs; the
+    # others wait in the queue (they count against max_seqs + max_queue) and then all finish.
+    model = S.random_checkpoint()
+    s = S.Server(model, "--max-context", "512", "--kv-cache-tokens", "512", "--max-seqs", "4", "--max-queue", "0",
+                 name="kv-room").wait_ready()
+    try:
+        assert "KV cache limited to 512 positions" in s.log()
+        out = []
+
+        def go():
+            status, _, body = s.json("POST", "/v1/completions", {"prompt": "once upon a time", "max_tokens": 300, "temperature": 0})
+            out.append((status, body["usage"]["completion_tokens"] if status == 200 else body["error"]["code"]))
+
+        threads = [threading.Thread(target=go) for _ in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(300)
+        assert sorted(out, key=str) == sorted([(200, 300)] * 4 + [(503, "overloaded")] * 2, key=str), out
+        assert s.request("GET", "/health")[0] == 200
+        assert "panicked" not in s.log()
+    finally:
+        s.stop(timeout=30)
+    # Smaller than one sequence of --max-context: a clear error at start.
+    p = subprocess.run([str(S.orchid_binary()), "serve", "--model", str(BUNDLED), "--device", "cpu", "--port", "0",
+                        "--max-context", "512", "--kv-cache-tokens", "256"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert "KV cache of 256 positions cannot hold one sequence" in p.stderr, p.stderr
+
+
 def test_closed_stderr_does_not_stop_the_server():
     cmd = [str(S.orchid_binary()), "serve", "--model", str(BUNDLED), "--port", "0", "--device", "cpu", "--shutdown-timeout", "1"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, ORCHID_LOG="info"))

@@ -54,6 +54,14 @@ impl Backend for CpuBackend {
     }
 
     fn new_state(&self, cfg: &ModelConfig, opts: StateOptions) -> Result<CpuState> {
+        if let Some(t) = opts.kv_tokens
+            && t < opts.max_context
+        {
+            return Err(Error::Backend(format!(
+                "a KV cache of {t} positions cannot hold one sequence of the maximum context ({} positions): raise the KV cache size or lower the maximum context",
+                opts.max_context
+            )));
+        }
         Ok(CpuState::new(cfg, opts))
     }
 

@@ -32,6 +32,10 @@ pub struct SeqState {
 
 pub struct CpuState {
     slots: Vec<Option<SeqState>>,
+    /// Positions promised to each slot (`StatePool::promise`).
+    promised: Vec<usize>,
+    /// KV positions the live sequences may be promised together (`StateOptions::kv_tokens`).
+    kv_limit: Option<usize>,
     pub max_context: usize,
     n_attn: usize,
     n_gdn: usize,
@@ -45,6 +49,8 @@ impl CpuState {
         let d = &cfg.deltanet;
         CpuState {
             slots: (0..opts.max_seqs).map(|_| None).collect(),
+            promised: vec![0; opts.max_seqs],
+            kv_limit: opts.kv_tokens,
             max_context: opts.max_context,
             n_attn: cfg.num_attention_layers(),
             n_gdn: cfg.num_deltanet_layers(),
@@ -103,6 +109,7 @@ impl StatePool for CpuState {
 
     fn alloc(&mut self) -> Option<usize> {
         let i = self.slots.iter().position(Option::is_none)?;
+        self.promised[i] = 0;
         self.slots[i] = Some(SeqState {
             kv: (0..self.n_attn).map(|_| KvCache::default()).collect(),
             gdn: (0..self.n_gdn).map(|_| GdnState { conv: vec![0.0; self.conv_len], recurrent: vec![0.0; self.rec_len] }).collect(),
@@ -113,7 +120,28 @@ impl StatePool for CpuState {
     fn free(&mut self, slot: usize) {
         if let Some(s) = self.slots.get_mut(slot) {
             *s = None;
+            self.promised[slot] = 0;
         }
+    }
+
+    /// The host has no block pool: only a `kv_tokens` limit bounds what is promised (positions
+    /// held or promised per live slot, whichever is more). It bounds admission only; the caches
+    /// grow as they need.
+    fn free_tokens(&self) -> usize {
+        let Some(limit) = self.kv_limit else { return usize::MAX };
+        let held: usize =
+            self.slots.iter().zip(&self.promised).filter_map(|(s, &p)| s.as_ref().map(|s| p.max(s.kv.first().map_or(0, |c| c.len)))).sum();
+        limit.saturating_sub(held)
+    }
+
+    fn promise(&mut self, slot: usize, tokens: usize) {
+        if let Some(p) = self.promised.get_mut(slot) {
+            *p = tokens;
+        }
+    }
+
+    fn memory_plan(&self) -> Option<String> {
+        self.kv_limit.map(|t| format!("KV cache limited to {t} positions over all sequences"))
     }
 
     fn in_use(&self) -> usize {

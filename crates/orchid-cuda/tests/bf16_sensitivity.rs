@@ -12,7 +12,7 @@ use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows};
 
 fn logits<B: Backend>(m: &Model<B>, ids: &[u32]) -> Vec<f32> {
-    let mut st = m.new_state(StateOptions { max_seqs: 1, max_context: ids.len() + 1 }).unwrap();
+    let mut st = m.new_state(StateOptions::new(1, ids.len() + 1)).unwrap();
     let s = st.alloc().unwrap();
     m.backend.to_host(&m.forward(ids, &BatchLayout::single(s, 0, ids.len()), &mut st, LogitRows::All).unwrap()).unwrap()
 }

@@ -20,7 +20,7 @@ struct Run {
 
 fn run(m: &Model<CudaBackend>, ids: &[u32], chunk: usize, decode: usize) -> Run {
     let v = m.config.vocab_size;
-    let mut st = m.new_state(StateOptions { max_seqs: 1, max_context: ids.len() + decode + 8 }).unwrap();
+    let mut st = m.new_state(StateOptions::new(1, ids.len() + decode + 8)).unwrap();
     let slot = st.alloc().unwrap();
     let mut prefill = Vec::new();
     let mut pos = 0;

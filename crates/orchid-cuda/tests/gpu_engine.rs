@@ -83,6 +83,7 @@ fn start(g: &CudaBackend, tok: &Arc<Tokenizer>, case: &Case, fast: bool) -> Engi
         prefix_cache: false,
         prefix_cache_bytes: None,
         inject_fault: None,
+        ..Default::default()
     };
     let (g, cfg, fmt, seed) = (g.clone(), case.cfg.clone(), case.fmt, case.seed);
     let e = spawn_with(opts, tok.clone(), move || {
@@ -294,7 +295,7 @@ fn replay(g: &CudaBackend, case: &Case, prompt: &[u32], common: &[u32], valid: u
     let host = random_weights(&case.cfg, case.fmt, case.seed);
     let m = Model::new(case.cfg.clone(), g.clone(), &host).unwrap();
     drop(host);
-    let mut st = m.new_state(StateOptions { max_seqs: 2, max_context: MAX_CONTEXT }).unwrap();
+    let mut st = m.new_state(StateOptions::new(2, MAX_CONTEXT)).unwrap();
     let (a, b) = (st.alloc().unwrap(), st.alloc().unwrap());
     let mut op = None;
     for slot in [a, b] {

@@ -74,7 +74,7 @@ fn run_case(g: &CudaBackend, name: &str, cfg: &ModelConfig, fmt: Fmt, prompt: us
     let v = cfg.vocab_size;
     let mut rng = Rng::new(1234);
     let ids: Vec<u32> = (0..prompt + decode).map(|_| rng.below(v) as u32).collect();
-    let opts = StateOptions { max_seqs: 3, max_context: prompt + decode + 8 };
+    let opts = StateOptions::new(3, prompt + decode + 8);
     let (mut cs, mut bs, mut gs) = (cpu.new_state(opts).unwrap(), bfc.new_state(opts).unwrap(), gpu.new_state(opts).unwrap());
     let (c0, b0, g0, g1) = (cs.alloc().unwrap(), bs.alloc().unwrap(), gs.alloc().unwrap(), gs.alloc().unwrap());
     let (mut cl, mut bl, mut gl) = (Vec::new(), Vec::new(), Vec::new());

@@ -104,7 +104,7 @@ fn matmul_q4_and_bf16() {
 /// One attention layer's state pools on both backends.
 fn attn_states(hq: usize, hkv: usize, d: usize) -> (orchid_model::config::ModelConfig, StateOptions) {
     let cfg = config(64, 64, 1, (hq, hkv, d), (1, 1, 32, 32), (4, 2, 64, 0), 1);
-    (cfg, StateOptions { max_seqs: 2, max_context: 8192 })
+    (cfg, StateOptions::new(2, 8192))
 }
 
 #[test]
@@ -195,7 +195,7 @@ fn deltanet_chunked_and_decode() {
             g.upload_vector(&nw).unwrap(),
         ];
         for sched in schedules {
-            let opts = StateOptions { max_seqs: 1, max_context: 8192 };
+            let opts = StateOptions::new(1, 8192);
             let mut cst = c.new_state(&cfg, opts).unwrap();
             let mut gst = g.new_state(&cfg, opts).unwrap();
             let (sc, sg) = (cst.alloc().unwrap(), gst.alloc().unwrap());
@@ -254,7 +254,7 @@ fn deltanet_chunked_prefill_equals_token_by_token() {
     let gv: Vec<_> = vecs.iter().map(|v| g.upload_vector(v).unwrap()).collect();
     let t = 130;
     let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * hv * dv, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));
-    let opts = StateOptions { max_seqs: 2, max_context: 512 };
+    let opts = StateOptions::new(2, 512);
     let mut st = g.new_state(&cfg, opts).unwrap();
     let (s0, s1) = (st.alloc().unwrap(), st.alloc().unwrap());
     let run = |st: &mut orchid_cuda::CudaState, slot: usize, lo: usize, hi: usize| {

@@ -41,6 +41,7 @@ fn start(g: &orchid_cuda::CudaBackend, cache: bool) -> (EngineHandle, Arc<Tokeni
         prefix_cache: cache,
         prefix_cache_bytes: Some(256 << 20),
         inject_fault: None,
+        ..Default::default()
     };
     let g = g.clone();
     let e = spawn(opts, tok.clone(), move || Ok(orchid_model::load_model(&dir, g)?));

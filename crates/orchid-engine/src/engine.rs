@@ -63,7 +63,9 @@ pub struct EngineOptions {
     pub max_seqs: usize,
     /// Longest prompt + output of one sequence.
     pub max_context: usize,
-    /// Prompt tokens run per forward call for one sequence.
+    /// Prompt tokens one step runs, over all sequences still in their prompt (vLLM's
+    /// `max_num_batched_tokens`, less the decode tokens): each step runs one token of every
+    /// decoding sequence plus up to this many prompt tokens; a longer prompt takes several steps.
     pub prefill_chunk: usize,
     /// Requests allowed to wait for a slot.
     pub max_queue: usize,
@@ -74,6 +76,13 @@ pub struct EngineOptions {
     pub prefix_cache: bool,
     /// Byte budget of the prefix cache; `None`: the backend's default (docs/prefix-cache.md).
     pub prefix_cache_bytes: Option<usize>,
+    /// The share of the GPU's total memory orchid may use, weights included
+    /// (`StateOptions::memory_utilization`).
+    pub gpu_memory_utilization: f64,
+    /// KV positions all running sequences may hold together, instead of what memory allows
+    /// (`StateOptions::kv_tokens`). A request is admitted when its prompt + max_tokens fit in
+    /// what is not promised to running ones; until then it waits in the queue.
+    pub kv_cache_tokens: Option<usize>,
     /// A testing aid: make the engine thread panic while loading or at its first step, so that
     /// tests can check that no panic leaves a process hanging (`orchid` sets it from `ORCHID_FAULT`).
     pub inject_fault: Option<Fault>,
@@ -89,6 +98,8 @@ impl Default for EngineOptions {
             fast_decode: true,
             prefix_cache: true,
             prefix_cache_bytes: None,
+            gpu_memory_utilization: orchid_model::backend::DEFAULT_MEMORY_UTILIZATION,
+            kv_cache_tokens: None,
             inject_fault: None,
         }
     }
@@ -333,7 +344,13 @@ where
                 None => None,
             };
             let max_context = opts2.max_context.min(model.config.max_position_embeddings);
-            let mut state = match model.new_state(StateOptions { max_seqs: opts2.max_seqs, max_context }) {
+            let state_opts = StateOptions {
+                max_seqs: opts2.max_seqs,
+                max_context,
+                memory_utilization: opts2.gpu_memory_utilization,
+                kv_tokens: opts2.kv_cache_tokens,
+            };
+            let mut state = match model.new_state(state_opts) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = info2.set(Err(LoadFailure { message: e.to_string(), bad_model: false }));
@@ -356,6 +373,9 @@ where
                 tracing::info!("prefix cache: off");
                 None
             };
+            if let Some(plan) = state.memory_plan() {
+                tracing::info!("memory plan: weights {:.2} GiB; {plan}", model.weight_bytes as f64 / 1073741824.0);
+            }
             let _ = info2.set(Ok(ModelInfo {
                 device: model.backend.describe(),
                 max_context,
@@ -575,6 +595,23 @@ impl<B: Backend> Engine<B> {
                 let _ = tx.send(Event::Error(format!("token id {id} is outside the vocabulary (size {vocab})")));
                 continue;
             }
+            // The KV room the request may reach is promised to it when it starts: until the
+            // pool can promise it, it waits (first come, first served).
+            let need = (req.prompt.len() + req.max_tokens).min(self.max_context);
+            if !self.kv_room(need) {
+                if self.running.is_empty() {
+                    // Nothing will free room (the pool holds one full-length sequence at least,
+                    // so this is not expected).
+                    self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                    self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    let msg = format!("the request needs {need} positions of KV cache, more than the cache holds");
+                    tracing::error!("{msg}");
+                    let _ = tx.send(Event::Error(msg));
+                    continue;
+                }
+                self.waiting.push_front((req, tx));
+                return;
+            }
             let Some(slot) = self.state.alloc() else {
                 self.waiting.push_front((req, tx));
                 return;
@@ -585,6 +622,8 @@ impl<B: Backend> Engine<B> {
             let req_thinking = req.thinking.is_some();
             let constraint = req.constraint.take();
             let (cached, save_points) = self.restore_prefix(slot, &req.prompt);
+            // After the restore (which takes no free blocks, and may start the slot afresh).
+            self.state.promise(slot, need);
             let fast_ok = device_sampling_ok(&req) && constraint.is_none();
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
@@ -607,6 +646,21 @@ impl<B: Backend> Engine<B> {
                 constraint,
             });
         }
+    }
+
+    /// Whether the state pool can promise `need` KV positions to a new sequence. With nothing
+    /// running, the prefix cache's blocks are given back first if that is what stands in the way.
+    fn kv_room(&mut self, need: usize) -> bool {
+        if need <= self.state.free_tokens() {
+            return true;
+        }
+        if self.running.is_empty()
+            && let Some(c) = self.cache.as_mut()
+        {
+            tracing::warn!("prefix cache: cleared to make room in the KV cache for {need} positions");
+            c.clear(&mut self.state);
+        }
+        need <= self.state.free_tokens()
     }
 
     /// Restores the longest cached prefix of `prompt` into the fresh `slot`; returns the tokens

@@ -119,6 +119,7 @@ fn start_with(fast: Option<bool>, fail_prepare: bool, enabled: bool, batch: bool
         prefix_cache: false,
         prefix_cache_bytes: None,
         inject_fault: None,
+        ..Default::default()
     };
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;

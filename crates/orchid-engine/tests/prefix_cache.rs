@@ -31,6 +31,7 @@ fn start(cache: bool, budget: Option<usize>) -> (EngineHandle, Arc<Tokenizer>) {
         prefix_cache: cache,
         prefix_cache_bytes: budget,
         inject_fault: None,
+        ..Default::default()
     };
     let e = spawn(opts, tok.clone(), move || Ok(orchid_model::load_model(&dir, CpuBackend::new())?));
     e.wait_ready().unwrap();

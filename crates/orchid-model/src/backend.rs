@@ -25,6 +25,27 @@ pub trait StatePool: Send {
     /// Bytes of state currently held by live sequences.
     fn bytes_in_use(&self) -> usize;
 
+    // KV room. A pool of limited KV memory (CUDA's block pool, or a host pool given
+    // `StateOptions::kv_tokens`) promises each sequence the positions it may reach when it is
+    // admitted, so that a running sequence never finds the pool empty: the engine admits a
+    // request only when `free_tokens` covers its prompt + max_tokens, else it waits.
+
+    /// KV positions a new sequence can still be promised: free room not promised to live
+    /// sequences (`usize::MAX`: no limit).
+    fn free_tokens(&self) -> usize {
+        usize::MAX
+    }
+    /// Promises `slot` room for its first `tokens` positions in all (what it holds already,
+    /// restored prefix included, counts towards it); the engine asks only for what
+    /// `free_tokens` offered.
+    fn promise(&mut self, slot: usize, tokens: usize) {
+        let _ = (slot, tokens);
+    }
+    /// One line on how the device memory was divided (for the start-up log), if the pool has one.
+    fn memory_plan(&self) -> Option<String> {
+        None
+    }
+
     // The prefix cache (orchid-engine's `prefix_cache`): the state of a sequence after its
     // first `len` tokens, kept so that a later sequence starting with the same tokens skips them.
 
@@ -51,6 +72,24 @@ pub struct StateOptions {
     pub max_seqs: usize,
     /// Longest context one sequence may reach (positions).
     pub max_context: usize,
+    /// The share of the device's total memory the process may use in all, weights included
+    /// (vLLM's `gpu_memory_utilization`); the state gets what of it is not in use yet. Devices
+    /// with their own memory only (CUDA); the host ignores it.
+    pub memory_utilization: f64,
+    /// KV positions all live sequences may hold together, instead of what memory allows (CUDA)
+    /// or no limit (the host, where it only bounds admission: see [`StatePool::free_tokens`]).
+    pub kv_tokens: Option<usize>,
+}
+
+/// The default [`StateOptions::memory_utilization`].
+pub const DEFAULT_MEMORY_UTILIZATION: f64 = 0.9;
+
+impl StateOptions {
+    /// `max_seqs` sequences of up to `max_context` positions, the default memory share, the KV
+    /// pool sized from memory.
+    pub fn new(max_seqs: usize, max_context: usize) -> StateOptions {
+        StateOptions { max_seqs, max_context, memory_utilization: DEFAULT_MEMORY_UTILIZATION, kv_tokens: None }
+    }
 }
 
 /// The attention inputs of one layer. q_gate [T, Hq·D·(1+gate)], k/v [T, Hkv·D].

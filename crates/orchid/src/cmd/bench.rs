@@ -238,7 +238,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if !a.no_speed {
         let max_len = *lengths.iter().max().unwrap_or(&256);
-        let mut state = m.new_state(StateOptions { max_seqs: 1, max_context: max_len + a.decode + 64 })?;
+        let mut state = m.new_state(StateOptions::new(1, max_len + a.decode + 64))?;
         let slot = state.alloc().context("state slot")?;
         let mut graph = DecodeGraph::new(&m, &mut state, slot, SampleParams::greedy(v))?;
         state.free(slot);
@@ -449,7 +449,7 @@ fn check_cpu(m: &Model<CudaBackend>, dir: &std::path::Path, n: usize, layers: us
     let v = cfg.vocab_size;
     let ids: Vec<u32> = (0..n).map(|i| prompt_token(i * 7 + 3, v)).collect();
     fn all<B: Backend>(m: &Model<B>, ids: &[u32]) -> Result<Vec<f32>> {
-        let mut st = m.new_state(StateOptions { max_seqs: 1, max_context: ids.len() + 8 })?;
+        let mut st = m.new_state(StateOptions::new(1, ids.len() + 8))?;
         let s = st.alloc().context("slot")?;
         Ok(m.backend.to_host(&m.forward(ids, &BatchLayout::single(s, 0, ids.len()), &mut st, LogitRows::All)?)?)
     }

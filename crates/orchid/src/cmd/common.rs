@@ -139,7 +139,7 @@ pub struct PrefixCacheArgs {
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub prefix_cache: OnOff,
     /// Memory the prefix cache may hold, in MiB (default: 2048 on the CPU; on CUDA 15% of the
-    /// device memory free after loading, at most 8192).
+    /// GPU memory budget left after the weights, at most 8192, within what the KV cache leaves).
     #[arg(long)]
     pub prefix_cache_mb: Option<usize>,
 }

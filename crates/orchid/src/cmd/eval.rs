@@ -58,7 +58,7 @@ pub fn teacher_forced<B: Backend>(
     mut each: impl FnMut(usize, &[f32]),
 ) -> Result<()> {
     let (t0, mut last_log) = (std::time::Instant::now(), std::time::Instant::now());
-    let mut state = m.new_state(StateOptions { max_seqs: 1, max_context: window })?;
+    let mut state = m.new_state(StateOptions::new(1, window))?;
     let mut logits = Vec::new();
     for (wi, win) in ids.chunks(window).enumerate() {
         let slot = state.alloc().context("no state slot")?;

@@ -38,9 +38,21 @@ pub struct ServeArgs {
     /// wait); beyond that, 503 with Retry-After.
     #[arg(long, env = "ORCHID_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
-    /// Prompt tokens run per forward call for one sequence.
-    #[arg(long, env = "ORCHID_PREFILL_CHUNK", default_value_t = 512)]
+    /// Prompt tokens one engine step runs, over all requests still in their prompt: each step
+    /// (one forward call) runs one token of every decoding sequence plus up to this many prompt
+    /// tokens, so a longer prompt spreads over several steps and decoding goes on between them.
+    #[arg(long, visible_alias = "max-num-batched-tokens", env = "ORCHID_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
+    /// The share of the GPU's total memory orchid may use in all, weights included, in (0, 1]
+    /// (CUDA only). The GDN state of --max-seqs sequences must fit in what the weights leave of
+    /// it; the KV cache gets the rest, up to --max-seqs full-length sequences.
+    #[arg(long, env = "ORCHID_GPU_MEMORY_UTILIZATION", default_value_t = orchid_model::backend::DEFAULT_MEMORY_UTILIZATION, value_parser = utilization)]
+    gpu_memory_utilization: f64,
+    /// KV cache positions all running requests may hold together, instead of what
+    /// --gpu-memory-utilization gives (at least --max-context; on the CPU, default no limit). A
+    /// request starts when its prompt + max_tokens fit in the room not promised to running ones.
+    #[arg(long, env = "ORCHID_KV_CACHE_TOKENS")]
+    kv_cache_tokens: Option<usize>,
     /// Where to run the model.
     #[arg(long, value_enum, env = "ORCHID_DEVICE", default_value_t = Device::Auto)]
     device: Device,
@@ -95,6 +107,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_context: a.max_context.max(2),
         prefill_chunk: a.prefill_chunk.max(1),
         max_queue: a.max_queue,
+        gpu_memory_utilization: a.gpu_memory_utilization,
+        kv_cache_tokens: a.kv_cache_tokens,
         ..Default::default()
     };
     a.cache.apply(&mut opts);
@@ -120,4 +134,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // Connections still open and preparation threads still running do not hold the exit.
     rt.shutdown_timeout(Duration::from_millis(500));
     result
+}
+
+/// `--gpu-memory-utilization`: a number in (0, 1].
+fn utilization(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("must be a number in (0, 1], got `{s}`")),
+    }
 }
