@@ -83,7 +83,8 @@ mod tests {
     fn defaults_are_within_range() {
         let t = Tuning::default();
         assert_eq!(t.clamped(), t);
-        let wild = Tuning { gemv_per_sm: 9, moe_up_ksplit: 99, router_kparts: 0, attn_splits: 1 << 20, attn_min_tiles: 1 << 20, moe_rows_max: 0 };
+        let wild =
+            Tuning { gemv_per_sm: 9, moe_up_ksplit: 99, router_kparts: 0, attn_splits: 1 << 20, attn_min_tiles: 1 << 20, moe_rows_max: 0 };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);

@@ -45,7 +45,7 @@ fn batch_logits<B: Backend>(m: &Model<B>, st: &mut B::State, slots: &[usize], po
 /// Greedy decode of `steps` tokens for every sequence, rows `alive(step)` only, eagerly.
 fn eager_greedy(m: &Model<CudaBackend>, prompts: &[Vec<u32>], steps: usize, alive: &dyn Fn(usize) -> usize) -> Vec<Vec<u32>> {
     let v = m.config.vocab_size;
-    let mut st = m.new_state(StateOptions { max_seqs: prompts.len(), max_context: 320 }).unwrap();
+    let mut st = m.new_state(StateOptions::new(prompts.len(), 320)).unwrap();
     let (slots, first) = prefill(m, &mut st, prompts);
     let mut out: Vec<Vec<u32>> = first.iter().map(|&t| vec![t]).collect();
     for k in 0..steps {
@@ -68,7 +68,7 @@ fn graph_decode(
     alive: &dyn Fn(usize) -> usize,
     params: &[SampleParams],
 ) -> Vec<Vec<u32>> {
-    let mut st = m.new_state(StateOptions { max_seqs: prompts.len(), max_context: 320 }).unwrap();
+    let mut st = m.new_state(StateOptions::new(prompts.len(), 320)).unwrap();
     let (slots, first) = prefill(m, &mut st, prompts);
     let mut out: Vec<Vec<u32>> = first.iter().map(|&t| vec![t]).collect();
     let greedy = params.iter().all(|p| p.is_greedy());
@@ -114,7 +114,7 @@ fn batched_decode_matches_reference_and_graph() {
     let v = cfg.vocab_size;
     let mut rng = Rng::new(77);
     let prompts: Vec<Vec<u32>> = LENS.iter().map(|&n| (0..n).map(|_| rng.below(v) as u32).collect()).collect();
-    let opts = StateOptions { max_seqs: LENS.len() + 1, max_context: 320 };
+    let opts = StateOptions::new(LENS.len() + 1, 320);
 
     // (1) One batched step against the CPU and against each sequence alone.
     let toks: Vec<u32> = (0..LENS.len()).map(|_| rng.below(v) as u32).collect();

@@ -25,7 +25,7 @@ pub fn batch_decode(
     let gpu = m.backend.gpu().clone();
     let mut out = Vec::new();
     for &n in sizes {
-        let mut state = m.new_state(StateOptions { max_seqs: n, max_context: context + steps * (runs + 2) + 8 })?;
+        let mut state = m.new_state(StateOptions::new(n, context + steps * (runs + 2) + 8))?;
         let slots: Vec<usize> = (0..n).map(|_| state.alloc().context("state slot")).collect::<Result<_>>()?;
         // Prefill, eight sequences per forward call.
         let mut first = Vec::new();
