@@ -253,20 +253,13 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     if e > 512 || k > 32 || w.experts.num != e {
         return Err(Error::Op { op: "moe", msg: format!("{e} experts / top-{k} (the GPU router handles at most 512 / 32)") });
     }
-    if t <= c.tuning.moe_rows_max && w.shared.is_some() == w.shared_gate.is_some() {
-        let shared = w.shared.as_ref();
-        let md = MoeDecode {
-            gate: Some(&w.experts.gate),
-            up: Some(&w.experts.up),
-            down: Some(&w.experts.down),
-            sh_gate: shared.map(|s| &s.gate_proj),
-            sh_up: shared.map(|s| &s.up_proj),
-            sh_down: shared.map(|s| &s.down_proj),
-            topk: k,
-        };
-        if md.fmt().is_ok() {
-            return moe_rows(b, x, w, dims, &md);
-        }
+    if t <= c.tuning.moe_rows_max
+        && let Some(md) = moe_rows_experts(w, dims)
+    {
+        let out = b.tensor(t, h)?;
+        out.buf.memset0()?;
+        moe_rows(b, x, None, w, dims, &md, out.ptr())?;
+        return Ok(out);
     }
     let gpu = b.gpu();
     let logits = b.tensor(t, e)?;
@@ -374,16 +367,35 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
 
 /// The MoE block of a few tokens through the per-token expert kernels of the decode path: router
 /// (and shared gate) logits, top-k per token, every token's routed and shared experts' gate/up
-/// in one launch, their down projections weighted and summed in another.
-fn moe_rows(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims, md: &MoeDecode) -> Result<CudaTensor> {
+/// in one launch, their down projections weighted and summed in another, added to `out` [t, H].
+/// With `norm`, x is normalised on load (matvec path: at most 8 tokens).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_rows(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    norm: Option<(u64, f32)>,
+    w: &MoeWeights<CudaBackend>,
+    dims: &MoeDims,
+    md: &MoeDecode,
+    out: u64,
+) -> Result<()> {
     let c = &b.ctx;
     let (t, h) = (x.rows, x.cols);
     let (e, k) = (dims.num_experts, dims.top_k);
+    if norm.is_some() && t > 8 {
+        return Err(Error::Op { op: "moe", msg: format!("a normalised-on-load MoE of {t} tokens (at most 8)") });
+    }
     let ns = w.shared_gate.is_some() as usize;
     let logits = b.tensor(t, e + ns)?;
     match &w.shared_gate {
         Some(sg) if t <= 8 && sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
-            gemv(c, &[(&w.router, 0), (sg, e)], x.ptr(), h, t, None, logits.ptr(), e + ns, false, None)?;
+            gemv(c, &[(&w.router, 0), (sg, e)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
+        }
+        sg if t <= 8 => {
+            gemv(c, &[(&w.router, 0)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
+            if let Some(sg) = sg {
+                gemv(c, &[(sg, e)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
+            }
         }
         sg => {
             matmul(c, &w.router, x.ptr(), h, t, logits.ptr(), e + ns)?;
@@ -410,9 +422,24 @@ fn moe_rows(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: 
         },
     )?;
     let hbuf = DevBuf::alloc(b.gpu(), t * (k + ns) * md.hstride() * 4)?;
-    moe_up_rows(c, md, x.ptr(), ids.ptr, hbuf.ptr, t)?;
-    let out = b.tensor(t, h)?;
-    out.buf.memset0()?;
-    moe_down_rows(c, md, hbuf.ptr, wts.ptr, ids.ptr, out.ptr(), t)?;
-    Ok(out)
+    moe_up_rows(c, md, x.ptr(), norm.unwrap_or((0, 0.0)), ids.ptr, hbuf.ptr, t)?;
+    moe_down_rows(c, md, hbuf.ptr, wts.ptr, ids.ptr, out, t)
+}
+
+/// The experts of `w` as the per-token kernels take them, if they can (one weight format).
+pub fn moe_rows_experts<'a>(w: &'a MoeWeights<CudaBackend>, dims: &MoeDims) -> Option<MoeDecode<'a>> {
+    if w.shared.is_some() != w.shared_gate.is_some() {
+        return None;
+    }
+    let shared = w.shared.as_ref();
+    let md = MoeDecode {
+        gate: Some(&w.experts.gate),
+        up: Some(&w.experts.up),
+        down: Some(&w.experts.down),
+        sh_gate: shared.map(|s| &s.gate_proj),
+        sh_up: shared.map(|s| &s.up_proj),
+        sh_down: shared.map(|s| &s.down_proj),
+        topk: dims.top_k,
+    };
+    md.fmt().is_ok().then_some(md)
 }

@@ -233,6 +233,68 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn norm_matmuls(&self, x: &CudaTensor, norm: &GpuVec, eps: f32, ws: &[&GpuLinear]) -> Result<Vec<CudaTensor>> {
+        self.gpu().bind()?;
+        if let Some(w) = ws.iter().find(|w| w.cols != x.cols || w.count != 1) {
+            return Err(shape_err("norm_matmuls", format!("x [{}, {}] · W [{}, {}]ᵀ", x.rows, x.cols, w.rows, w.cols)));
+        }
+        if x.cols != norm.len {
+            return Err(shape_err("norm_matmuls", format!("{} columns, norm weight of {}", x.cols, norm.len)));
+        }
+        let c = &self.ctx;
+        let t = x.rows;
+        if t <= ops::gemv::MAX_TOKENS {
+            // The matvec normalises x on load.
+            return ws
+                .iter()
+                .map(|w| {
+                    let out = self.tensor(t, w.rows)?;
+                    ops::gemv::gemv(c, &[(w, 0)], x.ptr(), x.cols, t, Some((norm.buf.ptr, eps)), out.ptr(), w.rows, false, None)?;
+                    Ok(out)
+                })
+                .collect();
+        }
+        let xn = self.rms_norm(x, norm, eps)?;
+        // x rounded to bf16 once for every GEMM of the same K.
+        let xp = ops::gemm::gemm_x(c, xn.ptr(), xn.cols, t, xn.cols)?;
+        ws.iter()
+            .map(|w| {
+                let out = self.tensor(t, w.rows)?;
+                ops::gemm::matmul_x(c, w, xn.ptr(), xn.cols, &xp, t, out.ptr(), w.rows)?;
+                Ok(out)
+            })
+            .collect()
+    }
+
+    fn matmul_add(&self, x: &mut CudaTensor, y: &CudaTensor, w: &GpuLinear) -> Result<()> {
+        self.gpu().bind()?;
+        if y.cols != w.cols || w.count != 1 || (x.rows, x.cols) != (y.rows, w.rows) {
+            return Err(shape_err(
+                "matmul_add",
+                format!("x [{}, {}] += y [{}, {}] · W [{}, {}]ᵀ", x.rows, x.cols, y.rows, y.cols, w.rows, w.cols),
+            ));
+        }
+        if y.rows <= ops::gemv::MAX_TOKENS {
+            // The matvec accumulates into the residual.
+            return ops::gemv::gemv(&self.ctx, &[(w, 0)], y.ptr(), y.cols, y.rows, None, x.ptr(), x.cols, true, None);
+        }
+        let p = self.matmul(y, w)?;
+        self.add_assign(x, &p)
+    }
+
+    fn moe_block(&self, x: &mut CudaTensor, norm: &GpuVec, eps: f32, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<()> {
+        self.gpu().bind()?;
+        if x.rows <= ops::gemv::MAX_TOKENS.min(self.ctx.tuning.moe_rows_max)
+            && let Some(md) = layers::moe_rows_experts(w, dims)
+        {
+            // Normalised on load, the experts' sum added to the residual in place.
+            return layers::moe_rows(self, x, Some((norm.buf.ptr, eps)), w, dims, &md, x.ptr());
+        }
+        let xn = self.rms_norm(x, norm, eps)?;
+        let y = self.moe(&xn, w, dims)?;
+        self.add_assign(x, &y)
+    }
+
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
         self.gpu().bind()?;
         if (gate.rows, gate.cols) != (up.rows, up.cols) {

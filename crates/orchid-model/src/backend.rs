@@ -161,6 +161,27 @@ pub trait Backend: Send + Sync + Sized + 'static {
     }
     /// x·Wᵀ: [T, in] -> [T, out].
     fn matmul(&self, x: &Self::Tensor, w: &Self::Linear) -> Result<Self::Tensor>;
+
+    // The fusions the forward pass is written with: each names a pattern of the model, with a
+    // default composed of the ops above (the CPU backend keeps the defaults, so it stays the plain
+    // reference); a backend overrides what it can fuse.
+
+    /// The projections of a block's input: rms_norm(x)·W_iᵀ for each W_i of `ws`.
+    fn norm_matmuls(&self, x: &Self::Tensor, norm: &Self::Vector, eps: f32, ws: &[&Self::Linear]) -> Result<Vec<Self::Tensor>> {
+        let xn = self.rms_norm(x, norm, eps)?;
+        ws.iter().map(|w| self.matmul(&xn, w)).collect()
+    }
+    /// A block's output projection added to the residual stream: x += y·Wᵀ.
+    fn matmul_add(&self, x: &mut Self::Tensor, y: &Self::Tensor, w: &Self::Linear) -> Result<()> {
+        let p = self.matmul(y, w)?;
+        self.add_assign(x, &p)
+    }
+    /// The whole feed-forward block of a MoE layer: x += moe(rms_norm(x)).
+    fn moe_block(&self, x: &mut Self::Tensor, norm: &Self::Vector, eps: f32, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<()> {
+        let xn = self.rms_norm(x, norm, eps)?;
+        let y = self.moe(&xn, w, dims)?;
+        self.add_assign(x, &y)
+    }
     /// silu(gate) ⊙ up.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// The rows `rows` of x, in that order.

@@ -131,6 +131,9 @@ pub struct RouteEpi {
 /// K parts of the decode router matvec (more blocks than its 17 row tiles alone).
 pub const ROUTER_KPARTS: usize = 8;
 
+/// Most tokens one `gemv` takes.
+pub const MAX_TOKENS: usize = 8;
+
 /// y[t, out_col_i + r] (=|+=) Σ_k x[t, k] W_i[r, k] for T ≤ 8 tokens; segments share x and the format.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(
@@ -145,7 +148,7 @@ pub fn gemv(
     accumulate: bool,
     route: Option<RouteEpi>,
 ) -> Result<()> {
-    if t == 0 || t > 8 || segs.is_empty() || segs.len() > 4 {
+    if t == 0 || t > MAX_TOKENS || segs.is_empty() || segs.len() > 4 {
         return Err(Error::Op { op: "gemv", msg: format!("{t} tokens, {} segments", segs.len()) });
     }
     let (fmt, kpad, k) = (segs[0].0.fmt, segs[0].0.kpad, segs[0].0.cols);

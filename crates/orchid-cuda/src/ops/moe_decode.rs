@@ -152,10 +152,10 @@ pub fn moe_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64
     moe_up_impl(c, m, x, norm, ids, h, None, None)
 }
 
-/// `moe_up` of `rows` tokens (x [rows, K] not normalised, ids [rows, topk], h per token `nsrc ·
-/// hstride` floats).
-pub fn moe_up_rows(c: &Ctx, m: &MoeDecode, x: u64, ids: u64, h: u64, rows: usize) -> Result<()> {
-    moe_up_impl(c, m, x, (0, 0.0), ids, h, None, Some(rows))
+/// `moe_up` of `rows` tokens (x [rows, K], normalised on load unless `norm.0` is 0; ids [rows,
+/// topk]; h per token `nsrc · hstride` floats).
+pub fn moe_up_rows(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64, rows: usize) -> Result<()> {
+    moe_up_impl(c, m, x, norm, ids, h, None, Some(rows))
 }
 
 /// Router and `moe_up` in one kernel (see `FusedRoute`); `ids` receives the routing for moe_down.

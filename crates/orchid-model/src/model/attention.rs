@@ -31,13 +31,26 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    /// xn [T, H] -> [T, H].
-    pub fn forward(&self, b: &B, xn: &B::Tensor, cfg: &ModelConfig, batch: &BatchLayout, state: &mut B::State) -> Result<B::Tensor> {
-        let q_gate = b.matmul(xn, &self.q_proj)?;
-        let k = b.matmul(xn, &self.k_proj)?;
-        let v = b.matmul(xn, &self.v_proj)?;
+    /// x += Attention(rms_norm(x)) (`norm`: the layer's input norm); x [T, H].
+    pub fn forward(
+        &self,
+        b: &B,
+        x: &mut B::Tensor,
+        norm: &B::Vector,
+        cfg: &ModelConfig,
+        batch: &BatchLayout,
+        state: &mut B::State,
+    ) -> Result<()> {
+        let eps = cfg.rms_norm_eps;
+        let [q_gate, k, v] = projections(b.norm_matmuls(x, norm, eps, &[&self.q_proj, &self.k_proj, &self.v_proj])?)?;
         let inp = AttentionInputs { q_gate: &q_gate, k: &k, v: &v, q_norm: &self.q_norm, k_norm: &self.k_norm };
-        let o = b.attention(inp, &cfg.attention, cfg.rms_norm_eps, self.cache_index, batch, state)?;
-        b.matmul(&o, &self.o_proj)
+        let o = b.attention(inp, &cfg.attention, eps, self.cache_index, batch, state)?;
+        b.matmul_add(x, &o, &self.o_proj)
     }
+}
+
+/// The N tensors a `norm_matmuls` of N weights returns.
+pub(crate) fn projections<T, const N: usize>(v: Vec<T>) -> Result<[T; N]> {
+    let n = v.len();
+    v.try_into().map_err(|_| crate::error::Error::Op { op: "norm_matmuls", msg: format!("{n} outputs for {N} weights") })
 }

@@ -5,6 +5,7 @@ use crate::backend::{Backend, DeltaNetInputs};
 use crate::batch::BatchLayout;
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::model::attention::projections;
 use crate::weights::HostDeltaNet;
 
 pub struct GatedDeltaNet<B: Backend> {
@@ -37,12 +38,19 @@ impl<B: Backend> GatedDeltaNet<B> {
         })
     }
 
-    /// xn [T, H] -> [T, H].
-    pub fn forward(&self, b: &B, xn: &B::Tensor, cfg: &ModelConfig, batch: &BatchLayout, state: &mut B::State) -> Result<B::Tensor> {
-        let qkv = b.matmul(xn, &self.in_proj_qkv)?;
-        let z = b.matmul(xn, &self.in_proj_z)?;
-        let beta_in = b.matmul(xn, &self.in_proj_b)?;
-        let a = b.matmul(xn, &self.in_proj_a)?;
+    /// x += GatedDeltaNet(rms_norm(x)) (`norm`: the layer's input norm); x [T, H].
+    pub fn forward(
+        &self,
+        b: &B,
+        x: &mut B::Tensor,
+        norm: &B::Vector,
+        cfg: &ModelConfig,
+        batch: &BatchLayout,
+        state: &mut B::State,
+    ) -> Result<()> {
+        let eps = cfg.rms_norm_eps;
+        let ws = [&self.in_proj_qkv, &self.in_proj_z, &self.in_proj_b, &self.in_proj_a];
+        let [qkv, z, beta_in, a] = projections(b.norm_matmuls(x, norm, eps, &ws)?)?;
         let inp = DeltaNetInputs {
             qkv: &qkv,
             z: &z,
@@ -53,7 +61,7 @@ impl<B: Backend> GatedDeltaNet<B> {
             dt_bias: &self.dt_bias,
             norm: &self.norm,
         };
-        let o = b.deltanet(inp, &cfg.deltanet, cfg.rms_norm_eps, self.state_index, batch, state)?;
-        b.matmul(&o, &self.out_proj)
+        let o = b.deltanet(inp, &cfg.deltanet, eps, self.state_index, batch, state)?;
+        b.matmul_add(x, &o, &self.out_proj)
     }
 }

@@ -4,6 +4,7 @@
 use crate::backend::{Backend, Mlp, MoeWeights};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::model::attention::projections;
 use crate::weights::{HostFfn, HostMlp};
 
 pub enum Ffn<B: Backend> {
@@ -16,11 +17,10 @@ pub(crate) fn upload_mlp<B: Backend>(b: &B, m: &HostMlp) -> Result<Mlp<B>> {
 }
 
 impl<B: Backend> Mlp<B> {
-    /// down(silu(gate(x)) ⊙ up(x)).
-    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let g = b.matmul(x, &self.gate_proj)?;
-        let u = b.matmul(x, &self.up_proj)?;
-        b.matmul(&b.silu_mul(&g, &u)?, &self.down_proj)
+    /// x += down(silu(gate(xn)) ⊙ up(xn)), xn = rms_norm(x).
+    pub fn forward(&self, b: &B, x: &mut B::Tensor, norm: &B::Vector, eps: f32) -> Result<()> {
+        let [g, u] = projections(b.norm_matmuls(x, norm, eps, &[&self.gate_proj, &self.up_proj])?)?;
+        b.matmul_add(x, &b.silu_mul(&g, &u)?, &self.down_proj)
     }
 }
 
@@ -37,11 +37,11 @@ impl<B: Backend> Ffn<B> {
         })
     }
 
-    /// xn [T, H] -> [T, H].
-    pub fn forward(&self, b: &B, xn: &B::Tensor, cfg: &ModelConfig) -> Result<B::Tensor> {
+    /// x += FFN(rms_norm(x)) (`norm`: the layer's post-attention norm); x [T, H].
+    pub fn forward(&self, b: &B, x: &mut B::Tensor, norm: &B::Vector, cfg: &ModelConfig) -> Result<()> {
         match self {
-            Ffn::Moe(w) => b.moe(xn, w, &cfg.moe),
-            Ffn::Dense(m) => m.forward(b, xn),
+            Ffn::Moe(w) => b.moe_block(x, norm, cfg.rms_norm_eps, w, &cfg.moe),
+            Ffn::Dense(m) => m.forward(b, x, norm, cfg.rms_norm_eps),
         }
     }
 }

@@ -5,6 +5,11 @@
 //! for each layer:  h = x + Mixer(RMSNorm_in(x));  x = h + FFN(RMSNorm_post(h))
 //! logits = lm_head(RMSNorm_final(x))
 //! ```
+//! This is the only code that knows the layer order, where the norms sit and where the residual
+//! adds are. It is written with the backend's fusions of those patterns (`norm_matmuls`: a
+//! block's input projections; `matmul_add`: its output projection onto the residual; `moe_block`:
+//! the whole MoE half), so a backend fuses them without a second copy of the walk; on CUDA a
+//! batched decode step is a capture of this function (`orchid_cuda::BatchGraph`).
 //! Mixer is gated full attention (every 4th layer in the real models) or Gated DeltaNet; FFN
 //! is the sparse MoE (or a dense SwiGLU MLP on Qwen3-Next's optional dense layers).
 
@@ -89,24 +94,18 @@ impl<B: Backend> Model<B> {
             return Err(Error::Op { op: "forward", msg: format!("token id {bad} is outside the vocabulary ({})", self.config.vocab_size) });
         }
         let mut x = b.embed(&self.embed_tokens, ids)?;
-        let mut xn = b.rms_norm(&x, &self.layers[0].input_layernorm, eps)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let y = match &layer.mixer {
-                Mixer::Attention(a) => a.forward(b, &xn, &self.config, batch, state)?,
-                Mixer::DeltaNet(d) => d.forward(b, &xn, &self.config, batch, state)?,
-            };
-            let hn = b.add_rms_norm(&mut x, &y, &layer.post_attention_layernorm, eps)?;
-            let y = layer.ffn.forward(b, &hn, &self.config)?;
-            let next_norm = match self.layers.get(i + 1) {
-                Some(next) => &next.input_layernorm,
-                None => &self.norm,
-            };
-            xn = b.add_rms_norm(&mut x, &y, next_norm, eps)?;
+        for layer in &self.layers {
+            match &layer.mixer {
+                Mixer::Attention(a) => a.forward(b, &mut x, &layer.input_layernorm, &self.config, batch, state)?,
+                Mixer::DeltaNet(d) => d.forward(b, &mut x, &layer.input_layernorm, &self.config, batch, state)?,
+            }
+            layer.ffn.forward(b, &mut x, &layer.post_attention_layernorm, &self.config)?;
         }
-        let xn = match rows {
-            LogitRows::All => xn,
-            LogitRows::LastOfEachSpan => b.select_rows(&xn, &batch.last_rows())?,
+        let x = match rows {
+            LogitRows::All => x,
+            LogitRows::LastOfEachSpan => b.select_rows(&x, &batch.last_rows())?,
         };
-        b.matmul(&xn, &self.lm_head)
+        let [logits] = attention::projections(b.norm_matmuls(&x, &self.norm, eps, &[&self.lm_head])?)?;
+        Ok(logits)
     }
 }
