@@ -243,13 +243,13 @@ impl Backend for CudaBackend {
         }
         let c = &self.ctx;
         let t = x.rows;
-        if t <= ops::gemv::MAX_TOKENS {
+        if ops::gemv::use_gemv(c, t) {
             // The matvec normalises x on load.
             return ws
                 .iter()
                 .map(|w| {
                     let out = self.tensor(t, w.rows)?;
-                    ops::gemv::gemv(c, &[(w, 0)], x.ptr(), x.cols, t, Some((norm.buf.ptr, eps)), out.ptr(), w.rows, false, None)?;
+                    ops::gemv::gemv_rows(c, &[(w, 0)], x.ptr(), x.cols, t, Some((norm.buf.ptr, eps)), out.ptr(), w.rows, false)?;
                     Ok(out)
                 })
                 .collect();
@@ -274,9 +274,9 @@ impl Backend for CudaBackend {
                 format!("x [{}, {}] += y [{}, {}] · W [{}, {}]ᵀ", x.rows, x.cols, y.rows, y.cols, w.rows, w.cols),
             ));
         }
-        if y.rows <= ops::gemv::MAX_TOKENS {
+        if ops::gemv::use_gemv(&self.ctx, y.rows) {
             // The matvec accumulates into the residual.
-            return ops::gemv::gemv(&self.ctx, &[(w, 0)], y.ptr(), y.cols, y.rows, None, x.ptr(), x.cols, true, None);
+            return ops::gemv::gemv_rows(&self.ctx, &[(w, 0)], y.ptr(), y.cols, y.rows, None, x.ptr(), x.cols, true);
         }
         let p = self.matmul(y, w)?;
         self.add_assign(x, &p)

@@ -53,11 +53,22 @@ pub struct Tuning {
     /// Most tokens an op-level MoE block runs through the per-token expert kernels (each token
     /// reads its own experts); larger batches take the grouped GEMM (each expert read once).
     pub moe_rows_max: usize,
+    /// Most tokens a dense projection runs as matvecs (up to 8 tokens per launch, the weights
+    /// read once per launch); larger batches take the GEMM.
+    pub gemv_rows_max: usize,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { gemv_per_sm: 3, moe_up_ksplit: 0, router_kparts: 8, attn_splits: 64, attn_min_tiles: 8, moe_rows_max: 8 }
+        Tuning {
+            gemv_per_sm: 3,
+            moe_up_ksplit: 0,
+            router_kparts: 8,
+            attn_splits: 64,
+            attn_min_tiles: 8,
+            moe_rows_max: 8,
+            gemv_rows_max: 64,
+        }
     }
 }
 
@@ -71,6 +82,7 @@ impl Tuning {
             attn_splits: self.attn_splits.clamp(1, crate::ops::attention::MAX_SPLITS),
             attn_min_tiles: self.attn_min_tiles.min(4096),
             moe_rows_max: self.moe_rows_max.min(4096),
+            gemv_rows_max: self.gemv_rows_max.min(4096),
         }
     }
 }
@@ -83,8 +95,15 @@ mod tests {
     fn defaults_are_within_range() {
         let t = Tuning::default();
         assert_eq!(t.clamped(), t);
-        let wild =
-            Tuning { gemv_per_sm: 9, moe_up_ksplit: 99, router_kparts: 0, attn_splits: 1 << 20, attn_min_tiles: 1 << 20, moe_rows_max: 0 };
+        let wild = Tuning {
+            gemv_per_sm: 9,
+            moe_up_ksplit: 99,
+            router_kparts: 0,
+            attn_splits: 1 << 20,
+            attn_min_tiles: 1 << 20,
+            moe_rows_max: 0,
+            gemv_rows_max: 0,
+        };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);

@@ -589,14 +589,15 @@ fn run_case(g: &CudaBackend, tok: &Arc<Tokenizer>, case: &Case) -> bool {
     let t_on = t.elapsed().as_secs_f64();
     let total_fast = fast_steps(&on_engine);
     let mut ok = total_fast > 0;
-    // The joined request: fast steps before the second arrived and after it ended, batched
-    // op-level steps in between.
+    // The joined request: every decode step on a fast path, the single-sequence graph before the
+    // second arrived and after it ended, the batch graph in between (which also counts the
+    // second request's steps).
     let j = on.iter().find(|r| r.name == "joined mid-generation: first").unwrap();
     let n = j.out.tokens.len().saturating_sub(1);
     ok &= check(
         format!("engine {} switch fast -> batched -> fast", case.name),
-        j.fast >= 10 && j.fast < n,
-        format!("{} of the first request's {n} decode steps on the fast path (the rest batched with the second)", j.fast),
+        j.fast > n,
+        format!("{} fast decode steps while the first request made {n} (single and batched with the second)", j.fast),
     );
     println!("engine {}: scenario {t_off:.2}s with the fast path off, {t_on:.2}s on ({total_fast} fast steps)", case.name);
     ok &= fast_only_checks(&on_engine, case, &p, &on, &off, valid);

@@ -4,7 +4,7 @@
 
 use orchid_model::error::{Error, Result};
 
-use super::gemv::gemv;
+use super::gemv::{gemv_rows, use_gemv};
 use super::{Ctx, params};
 use crate::driver::DevBuf;
 use crate::weights::{GpuLinear, WFormat};
@@ -195,21 +195,21 @@ pub fn gemm(
     c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, 1), 256, gemm_smem(w.fmt, bn) as u32, &a)
 }
 
-/// x·Wᵀ for any number of tokens: matvec kernels up to 8 tokens, GEMMs beyond.
+/// x·Wᵀ for any number of tokens: matvec kernels for few tokens (`use_gemv`), GEMMs beyond.
 pub fn matmul(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ldo: usize) -> Result<()> {
-    if t <= 8 {
-        gemv(c, &[(w, 0)], x, ldx, t, None, out, ldo, false, None)
+    if use_gemv(c, t) {
+        gemv_rows(c, &[(w, 0)], x, ldx, t, None, out, ldo, false)
     } else {
         let xp = gemm_x(c, x, ldx, t, w.cols)?;
         gemm(c, w, None, &xp, 0, t, None, out, ldo)
     }
 }
 
-/// `matmul` of an input several weights share: the GEMM (t > 8) reads `xp`, x prepared once by
-/// `gemm_x` (unless it was prepared for another K); the matvec reads x.
+/// `matmul` of an input several weights share: the GEMM reads `xp`, x prepared once by `gemm_x`
+/// (unless it was prepared for another K); the matvec reads x.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_x(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, xp: &GemmX, t: usize, out: u64, ldo: usize) -> Result<()> {
-    if t > 8 && xp.k == w.cols && xp.kpad == w.kpad && xp.rows >= t {
+    if !use_gemv(c, t) && xp.k == w.cols && xp.kpad == w.kpad && xp.rows >= t {
         gemm(c, w, None, xp, 0, t, None, out, ldo)
     } else {
         matmul(c, w, x, ldx, t, out, ldo)

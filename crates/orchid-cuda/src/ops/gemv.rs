@@ -134,6 +134,31 @@ pub const ROUTER_KPARTS: usize = 8;
 /// Most tokens one `gemv` takes.
 pub const MAX_TOKENS: usize = 8;
 
+/// Whether `t` tokens take the matvecs (`gemv_rows`) rather than the GEMM.
+pub fn use_gemv(c: &Ctx, t: usize) -> bool {
+    t <= MAX_TOKENS.max(c.tuning.gemv_rows_max)
+}
+
+/// `gemv` of any number of tokens, `MAX_TOKENS` per launch (each launch reads the weights).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_rows(
+    c: &Ctx,
+    segs: &[(&GpuLinear, usize)],
+    x: u64,
+    ldx: usize,
+    t: usize,
+    norm: Option<(u64, f32)>,
+    out: u64,
+    ldo: usize,
+    accumulate: bool,
+) -> Result<()> {
+    for r0 in (0..t).step_by(MAX_TOKENS) {
+        let n = MAX_TOKENS.min(t - r0);
+        gemv(c, segs, x + (r0 * ldx * 4) as u64, ldx, n, norm, out + (r0 * ldo * 4) as u64, ldo, accumulate, None)?;
+    }
+    Ok(())
+}
+
 /// y[t, out_col_i + r] (=|+=) Σ_k x[t, k] W_i[r, k] for T ≤ 8 tokens; segments share x and the format.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(

@@ -101,9 +101,10 @@ impl<B: Backend> Model<B> {
             }
             layer.ffn.forward(b, &mut x, &layer.post_attention_layernorm, &self.config)?;
         }
+        // Spans of one token each (decode): their last rows are all the rows.
         let x = match rows {
-            LogitRows::All => x,
-            LogitRows::LastOfEachSpan => b.select_rows(&x, &batch.last_rows())?,
+            LogitRows::LastOfEachSpan if batch.spans.iter().any(|s| s.len > 1) => b.select_rows(&x, &batch.last_rows())?,
+            _ => x,
         };
         let [logits] = attention::projections(b.norm_matmuls(&x, &self.norm, eps, &[&self.lm_head])?)?;
         Ok(logits)

@@ -55,6 +55,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 attn_splits: tune("ATTN_SPLITS", t.attn_splits),
                 attn_min_tiles: tune("ATTN_MIN_TILES", t.attn_min_tiles),
                 moe_rows_max: tune("MOE_ROWS_MAX", t.moe_rows_max),
+                gemv_rows_max: tune("GEMV_ROWS_MAX", t.gemv_rows_max),
             },
         }
     })
