@@ -4,6 +4,7 @@
 // y = x / sqrt(mean(x²) + eps) · w. One block per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                     int n, float eps) {
+    pdl_enter();
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * n;
     float* yr = y + (i64)blockIdx.x * n;
@@ -17,6 +18,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 // x += r; y = rms_norm(x) · w. One block per row.
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ r, const float* __restrict__ w,
                                         float* __restrict__ y, int n, float eps) {
+    pdl_enter();
     __shared__ float red[32];
     float* xr = x + (i64)blockIdx.x * n;
     const float* rr = r + (i64)blockIdx.x * n;
@@ -34,11 +36,13 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 
 // x[i] += y[i] over n elements.
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, i64 n) {
+    pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) x[i] += y[i];
 }
 
 // out = silu(g) · u over n elements.
 extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out, i64 n) {
+    pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float a = g[i];
         out[i] = a / (1.f + expf(-a)) * u[i];
@@ -47,6 +51,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __
 
 // out[i, :] = x[rows[i], :] for i < nrows.  grid.x = nrows.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* __restrict__ rows, float* __restrict__ out, int n) {
+    pdl_enter();
     const float* src = x + (i64)rows[blockIdx.x] * n;
     float* dst = out + (i64)blockIdx.x * n;
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];

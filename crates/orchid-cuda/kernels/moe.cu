@@ -31,6 +31,7 @@ DEVI void warp_topk(const float* logits, int E, int topk, int renorm, int* ids, 
 
 // grid = ceil(T/4), block 128: one warp per token.
 extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
+    pdl_enter();
     const int t = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= a.T) return;
     int* ids = (int*)a.ids + (i64)t * a.topk;
@@ -44,6 +45,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
 // token; routing weights with a row stride of topk + shared, the shared expert's gate
 // sigmoid(logit at column E) after the token's top-k weights when `shared`. No counts.
 extern "C" __global__ void __launch_bounds__(128) moe_topk_rows(const TopkArgs a) {
+    pdl_enter();
     const int t = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= a.T) return;
     const float* l = (const float*)a.logits + (i64)t * a.ldl;
@@ -55,6 +57,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk_rows(const TopkArgs a
 // One block of 1024 threads: offsets = exclusive scan of counts, cursor = offsets, and the
 // grouped-GEMM tile table {expert, first position, count, 0}.
 extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
+    pdl_enter();
     __shared__ int sc[1024], st[1024];
     const int e = threadIdx.x;
     int c = e < a.E ? ((const int*)a.counts)[e] : 0;
@@ -83,6 +86,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
 // holds its tokens in ascending (token, slot) order on every run (no atomics: the grouped GEMMs
 // see the same tiles each time). `cursor` holds the experts' offsets (moe_scan). grid = E, 256.
 extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs a) {
+    pdl_enter();
     __shared__ int wcount[8];
     const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = a.T * a.topk;
@@ -113,6 +117,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs 
 
 // out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :].
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs a) {
+    pdl_enter();
     const int t = blockIdx.x;
     const float* w = (const float*)a.wts + (i64)t * a.topk;
     const int* sp = (const int*)a.slot_pos + (i64)t * a.topk;

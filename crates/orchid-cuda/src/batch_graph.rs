@@ -16,10 +16,11 @@ use std::sync::Arc;
 use orchid_model::Model;
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
 use orchid_model::error::{Error, Result};
+use orchid_model::model::Ffn;
 
 use crate::CudaBackend;
 use crate::decode_rows::DeviceBatch;
-use crate::driver::{DevBuf, Graph};
+use crate::driver::{Arena, DevBuf, Graph};
 use crate::ops::{Ctx, sampling as sp};
 use crate::state::CudaState;
 
@@ -49,6 +50,10 @@ pub struct BatchGraph {
     _counters: DevBuf,
     host_params: Vec<sp::SampleParams>,
     pub nodes: usize,
+    /// Whether the step's kernels are chained by programmatic dependent launch.
+    pub pdl: bool,
+    /// The step's temporaries (see `Arena`).
+    _arena: Option<DevBuf>,
     /// Per-launch timing events when captured with `profile` (see `profile_summary`).
     prof: Vec<(&'static str, crate::driver::Event)>,
 }
@@ -108,21 +113,46 @@ impl BatchGraph {
             vocab: v as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
         };
+        // First a capture with ordinary allocations, to measure them; then the real one with
+        // every temporary in one arena, chained by programmatic dependent launch where every
+        // kernel of the walk allows it (falling back to plain launches if the driver refuses).
         let mut prof = Vec::new();
-        let graph = Graph::capture(&gpu, || {
-            if profile {
-                crate::driver::profile_begin_capture()?;
+        let mut capture = |arena: Arena, pdl: bool, prof: &mut Vec<_>| {
+            Arena::with(arena, || {
+                Graph::capture(&gpu, || {
+                    if profile {
+                        crate::driver::profile_begin_capture()?;
+                    }
+                    let r = Self::enqueue(model, state, &ids, &layout, &sample, greedy, pdl);
+                    crate::driver::set_pdl(false);
+                    if profile {
+                        *prof = crate::driver::profile_end();
+                    }
+                    r
+                })
+            })
+        };
+        let measured = capture(Arena::Measure(0), false, &mut prof);
+        let (graph, arena, pdl) = match measured {
+            (Err(e), _) => (Err(e), None, false),
+            (Ok(first), m) => {
+                drop(first);
+                let arena = DevBuf::alloc(&gpu, m.bytes())?;
+                let carve = || Arena::Carve { base: arena.ptr, size: arena.bytes, used: 0 };
+                let pdl = !profile && ctx.pdl && pdl_safe(model, bucket);
+                let mut r = capture(carve(), pdl, &mut prof).0;
+                if let (Err(e), true) = (&r, pdl) {
+                    tracing::warn!("batch decode graph with programmatic dependent launch failed ({e}); capturing without it");
+                    r = capture(carve(), false, &mut prof).0;
+                }
+                let pdl = pdl && r.is_ok();
+                (r, Some(arena), pdl)
             }
-            let r = Self::enqueue(model, state, &ids, &layout, &sample, greedy);
-            if profile {
-                prof = crate::driver::profile_end();
-            }
-            r
-        });
+        };
         b.set_device_batch(None);
         let graph = graph?;
         let nodes = graph.num_nodes();
-        tracing::debug!("batch decode graph: {bucket} rows, {nodes} nodes, greedy {greedy}");
+        tracing::debug!("batch decode graph: {bucket} rows, {nodes} nodes, greedy {greedy}, pdl {pdl}");
         Ok(BatchGraph {
             ctx,
             bucket,
@@ -135,7 +165,9 @@ impl BatchGraph {
             _counters: counters,
             host_params,
             nodes,
+            pdl,
             prof,
+            _arena: arena,
         })
     }
 
@@ -148,7 +180,9 @@ impl BatchGraph {
         layout: &BatchLayout,
         a: &sp::SampleArgs,
         greedy: bool,
+        pdl: bool,
     ) -> Result<()> {
+        crate::driver::set_pdl(pdl);
         let logits = model.forward(ids, layout, state, LogitRows::LastOfEachSpan)?;
         sp::rows(&model.backend.ctx, &sp::SampleArgs { logits: logits.ptr(), ..*a }, layout.spans.len(), greedy)
     }
@@ -199,6 +233,18 @@ impl BatchGraph {
         self.tokens.download(0, bytemuck::cast_slice_mut(&mut out))?;
         Ok(out.into_iter().map(|t| t as u32).collect())
     }
+}
+
+/// Whether every kernel of a `bucket`-row step waits for its predecessor before touching memory
+/// (programmatic dependent launch): the matvec path of up to 8 tokens with the per-token MoE on
+/// every MoE layer (the GEMMs do not wait).
+fn pdl_safe(model: &Model<CudaBackend>, bucket: usize) -> bool {
+    let c = &model.backend.ctx;
+    bucket <= crate::ops::gemv::MAX_TOKENS.min(c.tuning.moe_rows_max)
+        && model.layers.iter().all(|l| match &l.ffn {
+            Ffn::Moe(w) => crate::layers::moe_rows_experts(w, &model.config.moe).is_some(),
+            Ffn::Dense(_) => true,
+        })
 }
 
 /// The bucket a batch of `n` rows runs in: the next power of two (at least 2).

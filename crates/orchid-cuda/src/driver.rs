@@ -210,16 +210,68 @@ impl Gpu {
     }
 }
 
-/// A device allocation (stream-ordered), freed on drop.
+/// A device allocation (stream-ordered), freed on drop; or, while an [`Arena`] is active on this
+/// thread, a piece of the arena (not freed).
 pub struct DevBuf {
     pub ptr: DevPtr,
     pub bytes: usize,
     gpu: Arc<Gpu>,
+    owned: bool,
+}
+
+/// Where this thread's allocations go while a graph is captured (`Arena::measure` / `carve`): a
+/// capture with stream-ordered allocations gets memory nodes between its kernels, which keeps
+/// them from being chained by programmatic dependent launch; carving every temporary of the
+/// captured step out of one preallocated buffer instead gives a graph of kernels only. The
+/// arena never reuses memory: its size is the sum of the step's allocations, measured first.
+pub enum Arena {
+    /// Allocate as usual and add up the (aligned) bytes.
+    Measure(usize),
+    /// Hand out consecutive pieces of [base, base + size).
+    Carve { base: DevPtr, size: usize, used: usize },
+}
+
+const ARENA_ALIGN: usize = 256;
+
+impl Arena {
+    /// Runs `f` with this thread's allocations going to `arena`; returns what `f` returned and
+    /// the arena as it ended (the bytes measured or used).
+    pub fn with<R>(arena: Arena, f: impl FnOnce() -> R) -> (R, Arena) {
+        ARENA.with(|a| *a.borrow_mut() = Some(arena));
+        let r = f();
+        let a = ARENA.with(|a| a.borrow_mut().take()).expect("the arena is set");
+        (r, a)
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            Arena::Measure(n) => *n,
+            Arena::Carve { used, .. } => *used,
+        }
+    }
 }
 
 impl DevBuf {
     pub fn alloc(gpu: &Arc<Gpu>, bytes: usize) -> Result<DevBuf> {
         let bytes = bytes.max(16);
+        let carved = ARENA.with(|a| match a.borrow_mut().as_mut() {
+            Some(Arena::Carve { base, size, used }) => {
+                let off = used.next_multiple_of(ARENA_ALIGN);
+                if off + bytes > *size {
+                    return Some(Err(Error::Backend(format!("cuda: graph arena of {size} bytes exhausted"))));
+                }
+                *used = off + bytes;
+                Some(Ok(*base + off as u64))
+            }
+            Some(Arena::Measure(n)) => {
+                *n = n.next_multiple_of(ARENA_ALIGN) + bytes;
+                None
+            }
+            None => None,
+        });
+        if let Some(ptr) = carved {
+            return Ok(DevBuf { ptr: ptr?, bytes, gpu: gpu.clone(), owned: false });
+        }
         let mut ptr = 0;
         // SAFETY: valid out-pointer, live stream.
         let r = unsafe { sys::cuMemAllocAsync(&mut ptr, bytes, gpu.stream) };
@@ -235,7 +287,7 @@ impl DevBuf {
         check(r, "cuMemAllocAsync")?;
         let cur = gpu.mem.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
         gpu.mem.peak.fetch_max(cur, Ordering::Relaxed);
-        Ok(DevBuf { ptr, bytes, gpu: gpu.clone() })
+        Ok(DevBuf { ptr, bytes, gpu: gpu.clone(), owned: true })
     }
 
     pub fn zeros(gpu: &Arc<Gpu>, bytes: usize) -> Result<DevBuf> {
@@ -290,6 +342,9 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // SAFETY: ptr came from cuMemAllocAsync on this stream; later work on the stream is
         // ordered after every earlier use.
         unsafe {
@@ -310,6 +365,7 @@ thread_local! {
     static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static PDL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static PROFILE: std::cell::RefCell<Option<Vec<(&'static str, Event)>>> = const { std::cell::RefCell::new(None) };
+    static ARENA: std::cell::RefCell<Option<Arena>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Starts recording an event after every launch of this thread (inside a graph capture too,

@@ -151,11 +151,12 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
             let t = std::time::Instant::now();
             let g = BatchGraph::new(model, state, key.0, key.1)?;
             tracing::info!(
-                "batched decode graph for {} rows ({}) captured in {:.0} ms: {} nodes",
+                "batched decode graph for {} rows ({}) captured in {:.0} ms: {} nodes, pdl {}",
                 key.0,
                 if key.1 { "greedy" } else { "sampled" },
                 t.elapsed().as_secs_f64() * 1e3,
-                g.nodes
+                g.nodes,
+                g.pdl
             );
             slot.insert(g);
         }

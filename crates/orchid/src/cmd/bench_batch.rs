@@ -65,9 +65,8 @@ pub fn batch_decode(
         times.sort_by(f64::total_cmp);
         let step_s = times[times.len() / 2];
         let tok_s = n as f64 / step_s;
-        eprintln!("batch {n:>3} (bucket {bucket}, {} graph nodes): step {:.2} ms, {tok_s:.0} tok/s", g.nodes, step_s * 1e3);
-        let mut r =
-            json!({"batch": n, "bucket": bucket, "graph_nodes": g.nodes, "context": context, "step_ms": step_s * 1e3, "tok_s": tok_s});
+        eprintln!("batch {n:>3} (bucket {bucket}, {} graph nodes, pdl {}): step {:.2} ms, {tok_s:.0} tok/s", g.nodes, g.pdl, step_s * 1e3);
+        let mut r = json!({"batch": n, "bucket": bucket, "graph_nodes": g.nodes, "pdl": g.pdl, "context": context, "step_ms": step_s * 1e3, "tok_s": tok_s});
         if profile {
             let p = g.profile_summary()?;
             let total: f64 = p.iter().map(|x| x.2).sum();
