@@ -5,10 +5,13 @@
 //!
 //! Activations are f32 row-major device tensors; matrix products use bf16 tensor-core operands
 //! with f32 accumulation (weights stay 4-bit in memory, see `weights`). The op-level [`Backend`]
-//! implementation serves prefill and any batch (`layers`: attention, DeltaNet and MoE blocks);
-//! [`DecodeGraph`] is the fast single-token path: one CUDA graph per step, fused kernels, the
-//! sampled token written on the GPU into the next step's input; [`GraphFastDecode`] offers it to
-//! the engine (`orchid_model::FastDecode`) for single-sequence decoding.
+//! implementation serves prefill and any batch (`layers`: attention, DeltaNet and MoE blocks;
+//! `decode_rows`: the blocks of a batch of one-token spans, one launch for all rows) and fuses
+//! the patterns the model names (`norm_matmuls`, `matmul_add`, `moe_block`). [`BatchGraph`] is a
+//! capture of `Model::forward` over such a batch plus sampling per row on the GPU, its inputs in
+//! device buffers; [`DecodeGraph`] is the single-sequence path: one CUDA graph per step, fused
+//! kernels, the sampled token written on the GPU into the next step's input. [`GraphFastDecode`]
+//! offers both to the engine (`orchid_model::FastDecode`).
 //!
 //! Kernels and launchers share names: `kernels/X.cu` is launched by `ops/X.rs`; the argument
 //! structs and shared constants are defined once in Rust and emitted into the CUDA source

@@ -16,20 +16,20 @@
 //! block boundary, and at the last block boundary a generation reached (kept when it finishes,
 //! for the conversation's next turn). See docs/prefix-cache.md.
 //!
-//! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`, a
-//! captured decode graph with sampling on the GPU). When exactly one sequence is running, it
-//! is past its prompt and the device sampler can honour its request (no repetition/presence/
-//! frequency penalty, no logprobs, finite parameters), the step runs through it instead of the
-//! batched forward call; anything else (a second request arriving, a prefill, penalties) runs
-//! the generic step, and the next single-sequence step goes back to the fast path. Both work
-//! on the same state, so switching at a step boundary is free (the fast decoder re-uploads its
-//! input token and position when the generic path moved the sequence on). Stop tokens, stop
-//! strings, max_tokens, the context limit and streaming stay here, the same for both paths.
-//! Greedy output is the same on both paths up to floating-point differences between the two
-//! kernel sets (a near-tie of the top two logits can flip); seeded sampling on the device is
-//! reproducible but draws from its own generator, keyed by (seed, token index), not from the
-//! host sampler's stream, so a seeded sampled request gives different (equally distributed)
-//! text with the fast path on and off.
+//! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`:
+//! captured decode graphs with sampling on the GPU). When every decoding sequence can be served
+//! by the device sampler (no repetition/presence/frequency penalty, no logprobs, finite
+//! parameters, no forced or banned token this step), the decoding sequences run through it: one
+//! sequence through `step`, several at once through `step_batch` (one graph replay for all of
+//! them); prompts being prefilled then run in their own forward call in the same step. Anything
+//! else runs the generic step for everyone, and the next step that qualifies goes back to the
+//! fast path. All paths work on the same state, so switching at a step boundary is free (the
+//! fast decoder re-uploads its inputs when the generic path moved a sequence on). Stop tokens,
+//! stop strings, max_tokens, the context limit and streaming stay here, the same for all paths.
+//! Greedy output is the same on every path up to floating-point differences between the kernel
+//! sets (a near-tie of the top two logits can flip; the batch graph's kernels also depend on the
+//! batch size); seeded sampling on the device is reproducible but draws from its own generator,
+//! keyed by (seed, token index), not from the host sampler's stream.
 //!
 //! Constrained decoding. A request with a [`Constraint`](crate::constraint::Constraint) (a
 //! grammar) never takes the fast path: its mask is applied to the host logits before the

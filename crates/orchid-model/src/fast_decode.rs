@@ -1,8 +1,8 @@
-//! An optional, backend-specific fast path for decoding ONE sequence (batch 1, the interactive
-//! case): on CUDA a decode step captured once as a CUDA graph, with the sampling done on the GPU
-//! (`orchid_cuda::GraphFastDecode`). The engine (`orchid-engine`) uses it when exactly one sequence
-//! is running, that sequence is past its prompt, and its sampling needs nothing the device
-//! sampler lacks; prefill, batches of several sequences, penalties and log-probabilities go
+//! An optional, backend-specific fast path for decode steps: on CUDA, decode steps captured as
+//! CUDA graphs with the sampling done on the GPU (`orchid_cuda::GraphFastDecode`: one graph per
+//! slot for a lone sequence, and batch graphs that are captures of [`Model::forward`] for several
+//! sequences at once). The engine (`orchid-engine`) uses it for its decoding sequences when their
+//! sampling needs nothing the device sampler lacks; prefill, penalties and log-probabilities go
 //! through [`Model::forward`] as before. The fast path works on the same `B::State` as the
 //! generic path, so the engine may switch between the two at any step boundary.
 
