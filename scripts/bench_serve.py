@@ -584,6 +584,13 @@ def print_table(meta: dict, rows: list[dict], interference: dict | None, out):
 
 
 def git_commit() -> str:
+    """The commit the binary was built from (dist/BUILD beside it, written by gpu-build.sh),
+    else the repository's HEAD."""
+    build = orchid_binary().parent / "BUILD"
+    if build.is_file():
+        for line in build.read_text().splitlines():
+            if line.startswith("commit "):
+                return line.split()[1]
     p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     return p.stdout.strip() or "unknown"
 

@@ -67,7 +67,7 @@ impl Default for Tuning {
             attn_splits: 64,
             attn_min_tiles: 8,
             moe_rows_max: 8,
-            gemv_rows_max: 64,
+            gemv_rows_max: 8,
         }
     }
 }
