@@ -60,15 +60,7 @@ pub struct Tuning {
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning {
-            gemv_per_sm: 3,
-            moe_up_ksplit: 0,
-            router_kparts: 8,
-            attn_splits: 64,
-            attn_min_tiles: 8,
-            moe_rows_max: 8,
-            gemv_rows_max: 8,
-        }
+        Tuning { gemv_per_sm: 3, moe_up_ksplit: 0, router_kparts: 8, attn_splits: 64, attn_min_tiles: 8, moe_rows_max: 8, gemv_rows_max: 8 }
     }
 }
 

@@ -175,10 +175,11 @@ pub fn tool_call_grammar(tools: &[Value], only: Option<&str>, parallel: bool, pr
             .and_then(Value::as_array)
             .map(|r| r.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
+        let defs = Defs::of(params);
         let mut body = Vec::new();
         for (j, (p, schema)) in props.iter().enumerate() {
             let rule = format!("p_{i}_{j}");
-            match value_grammar(schema) {
+            match value_grammar(schema, &defs) {
                 ValueGrammar::Json(json) => {
                     let open = lark_string(&format!("<parameter={p}>"));
                     rules.push(format!("{rule}: {open} NL? v_{i}_{j} NL? {} NL?", lark_string("</parameter>")));
@@ -220,9 +221,10 @@ enum ValueGrammar {
     Text(String),
 }
 
-fn value_grammar(schema: &Value) -> ValueGrammar {
+fn value_grammar(schema: &Value, defs: &Defs) -> ValueGrammar {
+    let schema = defs.resolve(schema);
     if !allows_string(schema) {
-        return ValueGrammar::Json(format!("%json {}", with_options(schema.clone())));
+        return ValueGrammar::Json(format!("%json {}", with_options(defs.attach(schema))));
     }
     if let Some(vals) = schema.get("enum").and_then(Value::as_array).filter(|v| !v.is_empty()) {
         let alts: Vec<String> = vals
@@ -246,6 +248,50 @@ fn value_grammar(schema: &Value) -> ValueGrammar {
         (lo, Some(hi)) => format!("[^<\\n]{{{},{}}}", lo.unwrap_or(0).min(hi), hi),
         (Some(lo), None) => format!("[^<\\n]{{{lo},}}"),
     })
+}
+
+/// The definitions of a tool's parameter schema (`$defs`, or the older `definitions`), which its
+/// parameters' local references (`#/$defs/Name`, as pydantic writes nested models and enums)
+/// point into: a parameter's schema is compiled on its own, so they go with it.
+struct Defs(Map<String, Value>);
+
+impl Defs {
+    fn of(params: Option<&Value>) -> Defs {
+        let mut m = Map::new();
+        for key in ["$defs", "definitions"] {
+            if let Some(d) = params.and_then(|p| p.get(key)) {
+                m.insert(key.to_string(), d.clone());
+            }
+        }
+        Defs(m)
+    }
+
+    /// The schema a local reference names (followed a few times), else `schema` itself.
+    fn resolve<'a>(&'a self, mut schema: &'a Value) -> &'a Value {
+        for _ in 0..8 {
+            let Some(r) = schema.get("$ref").and_then(Value::as_str) else { break };
+            let target = ["$defs", "definitions"].iter().find_map(|k| {
+                let name = r.strip_prefix(&format!("#/{k}/"))?;
+                self.0.get(*k)?.get(name)
+            });
+            match target {
+                Some(t) => schema = t,
+                None => break,
+            }
+        }
+        schema
+    }
+
+    /// `schema` with the definitions beside it, so that its references resolve.
+    fn attach(&self, schema: &Value) -> Value {
+        let mut s = schema.clone();
+        if let Value::Object(o) = &mut s {
+            for (k, v) in &self.0 {
+                o.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        s
+    }
 }
 
 /// `s` matched literally in a regex.

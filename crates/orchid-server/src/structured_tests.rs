@@ -168,3 +168,33 @@ fn a_parameter_schema_that_does_not_compile_is_an_error() {
     let grammar = tool_call_grammar(&bad, None, false, "");
     assert!(g.compile(&GrammarSpec::Lark(grammar)).is_err());
 }
+
+/// Pydantic writes nested models and enums as `$ref`s into the tool's `$defs`: a forced call
+/// compiles and follows them (each parameter is compiled on its own, so its definitions go with it).
+#[test]
+fn forced_calls_follow_references_into_defs() {
+    let (tok, g) = qwen();
+    let tools = vec![json!({"type": "function", "function": {"name": "ship", "parameters": {
+        "$defs": {
+            "Address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 20}, "zip": {"type": "integer"}},
+                        "required": ["street", "zip"], "additionalProperties": false},
+            "Speed": {"type": "string", "enum": ["slow", "fast"]},
+        },
+        "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/Address"}, "speed": {"$ref": "#/$defs/Speed"}},
+        "required": ["to", "speed"],
+    }}})];
+    let grammar = tool_call_grammar(&tools, Some("ship"), false, "");
+    assert!(grammar.contains("(?:slow|fast)"), "the enum behind the reference is raw text: {grammar}");
+    let c = g.compile(&GrammarSpec::Lark(grammar.clone())).unwrap_or_else(|e| panic!("{e}\n{grammar}"));
+    let (text, ended) = drive(&tok, c, &["Hello", "\n", "</parameter>"], 300);
+    assert!(ended, "{text:?}");
+    let mut p = ToolCallParser::new(ToolSchemas::from_tools(&tools));
+    let mut ev = p.push(&text);
+    ev.extend(p.finish());
+    let args: String = ev.iter().filter_map(|e| if let ToolEvent::Args { delta, .. } = e { Some(delta.as_str()) } else { None }).collect();
+    let args: Value = serde_json::from_str(&args).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    // An integer (the JSON text "-0" reads back as the float -0.0).
+    assert!(args["to"]["street"].is_string() && args["to"]["zip"].as_f64().is_some_and(|z| z.fract() == 0.0), "{args}");
+    assert!(args["speed"] == "slow" || args["speed"] == "fast", "{args}");
+}
