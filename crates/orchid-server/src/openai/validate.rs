@@ -5,6 +5,7 @@
 //! [`crate::structured`].
 
 use orchid_engine::sampling::SamplingParams;
+use orchid_engine::sampling_limits::{self as limits, Limit};
 use serde_json::{Map, Value};
 
 use crate::errors::ApiError;
@@ -84,8 +85,6 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub const MAX_STOP: usize = 16;
 /// Longest stop string, in bytes (stop strings are short markers; vLLM and OpenAI bound them too).
 pub const MAX_STOP_BYTES: usize = 1024;
-/// Smallest `repetition_penalty` (logits are divided by it: a value near 0 is not a penalty).
-pub const MIN_REPETITION_PENALTY: f64 = 0.01;
 /// Names a request may not set through `chat_template_kwargs`: the variables the server passes
 /// itself and the template language's built-in functions (replacing them breaks rendering).
 pub const RESERVED_TEMPLATE_KWARGS: [&str; 19] = [
@@ -127,15 +126,10 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// A number within [lo, hi] (`lo_open`: lo itself excluded).
-    fn ranged(&self, k: &str, lo: f64, hi: f64, lo_open: bool) -> Result<Option<f32>> {
-        let Some(x) = self.number(k)? else { return Ok(None) };
-        let ok = x <= hi && if lo_open { x > lo } else { x >= lo };
-        if !ok {
-            let range = if lo_open { format!("greater than {lo} and at most {hi}") } else { format!("between {lo} and {hi}") };
-            return Err(ApiError::invalid(k, format!("`{k}` must be {range}, got {x}")));
-        }
-        Ok(Some(x as f32))
+    /// A number within the parameter's accepted range (`orchid_engine::sampling_limits`).
+    fn limited(&self, l: &Limit) -> Result<Option<f32>> {
+        let Some(x) = self.number(l.name)? else { return Ok(None) };
+        l.check(x).map(Some).map_err(|msg| ApiError::invalid(l.name, msg))
     }
 
     fn int(&self, k: &str) -> Result<Option<i64>> {
@@ -181,10 +175,10 @@ fn kind(v: &Value) -> &'static str {
 fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usize>) -> Result<Common> {
     let model = f.str("model")?.map(str::to_string);
     let mut s = defaults.clone();
-    if let Some(t) = f.ranged("temperature", 0.0, 2.0, false)? {
+    if let Some(t) = f.limited(&limits::TEMPERATURE)? {
         s.temperature = t;
     }
-    if let Some(p) = f.ranged("top_p", 0.0, 1.0, true)? {
+    if let Some(p) = f.limited(&limits::TOP_P)? {
         s.top_p = p;
     }
     if let Some(k) = f.int("top_k")? {
@@ -193,16 +187,16 @@ fn common(f: &Fields, defaults: &SamplingParams, default_max_tokens: Option<usiz
         }
         s.top_k = k.max(0) as usize;
     }
-    if let Some(p) = f.ranged("min_p", 0.0, 1.0, false)? {
+    if let Some(p) = f.limited(&limits::MIN_P)? {
         s.min_p = p;
     }
-    if let Some(p) = f.ranged("presence_penalty", -2.0, 2.0, false)? {
+    if let Some(p) = f.limited(&limits::PRESENCE_PENALTY)? {
         s.presence_penalty = p;
     }
-    if let Some(p) = f.ranged("frequency_penalty", -2.0, 2.0, false)? {
+    if let Some(p) = f.limited(&limits::FREQUENCY_PENALTY)? {
         s.frequency_penalty = p;
     }
-    if let Some(p) = f.ranged("repetition_penalty", MIN_REPETITION_PENALTY, 10.0, false)? {
+    if let Some(p) = f.limited(&limits::REPETITION_PENALTY)? {
         s.repetition_penalty = p;
     }
     s.seed = match f.get("seed") {
