@@ -354,52 +354,23 @@ impl DecodeGraph {
                         moe_route_up(c, &md2, self.x.ptr, norm_post, self.route_ids.ptr, self.hbuf.ptr, &fused)?;
                         n += 1;
                     } else {
+                        // The router matvec (normalised on load) into router_logits, E + 1 wide.
+                        let router = |segs: &[(&GpuLinear, usize)], epi: Option<RouteEpi>| {
+                            gemv(c, segs, self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, epi)
+                        };
                         match shared {
                             Some((_, sg)) if sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
-                                gemv(
-                                    c,
-                                    &[(&w.router, 0), (sg, e)],
-                                    self.x.ptr,
-                                    0,
-                                    1,
-                                    Some(norm_post),
-                                    self.router_logits.ptr,
-                                    e + 1,
-                                    false,
-                                    Some(route(Some(e))),
-                                )?;
+                                router(&[(&w.router, 0), (sg, e)], Some(route(Some(e))))?;
                                 n += 1;
                             }
                             Some((_, sg)) => {
-                                gemv(c, &[(sg, e)], self.x.ptr, 0, 1, Some(norm_post), self.router_logits.ptr, e + 1, false, None)?;
+                                router(&[(sg, e)], None)?;
                                 // The partials cover the router rows only; the shared-gate logit is already in place.
-                                gemv(
-                                    c,
-                                    &[(&w.router, 0)],
-                                    self.x.ptr,
-                                    0,
-                                    1,
-                                    Some(norm_post),
-                                    self.router_logits.ptr,
-                                    e + 1,
-                                    false,
-                                    Some(RouteEpi { partial: 0, ..route(Some(e)) }),
-                                )?;
+                                router(&[(&w.router, 0)], Some(RouteEpi { partial: 0, ..route(Some(e)) }))?;
                                 n += 2;
                             }
                             None => {
-                                gemv(
-                                    c,
-                                    &[(&w.router, 0)],
-                                    self.x.ptr,
-                                    0,
-                                    1,
-                                    Some(norm_post),
-                                    self.router_logits.ptr,
-                                    e + 1,
-                                    false,
-                                    Some(route(None)),
-                                )?;
+                                router(&[(&w.router, 0)], Some(route(None)))?;
                                 n += 1;
                             }
                         }

@@ -34,22 +34,23 @@ pub fn applies(b: &CudaBackend, batch: &BatchLayout) -> bool {
     batch.spans.iter().all(|s| s.len == 1) && (batch.spans.len() > 1 || b.device_batch().is_some())
 }
 
-/// Device slots and positions of the rows: the captured step's buffers, or an upload of the
-/// layout's (kept alive by the returned buffer).
-fn rows_meta(b: &CudaBackend, batch: &BatchLayout) -> Result<(u64, u64, Option<DevBuf>)> {
-    if let Some(db) = b.device_batch() {
-        if db.rows != batch.spans.len() {
-            return Err(Error::Op {
-                op: "decode rows",
-                msg: format!("{} spans in a captured step of {} rows", batch.spans.len(), db.rows),
-            });
-        }
-        return Ok((db.slots, db.pos, None));
-    }
+/// Device slots and positions of the rows: the captured step's buffers, or the layout's, uploaded
+/// once for all the layers of a forward call (kept in the state until the layout changes).
+fn rows_meta(b: &CudaBackend, batch: &BatchLayout, state: &mut CudaState) -> Result<(u64, u64)> {
     let n = batch.spans.len();
-    let v: Vec<i32> = batch.spans.iter().map(|s| s.slot as i32).chain(batch.spans.iter().map(|s| s.start as i32)).collect();
-    let buf = DevBuf::from_slice(b.gpu(), &v)?;
-    Ok((buf.ptr, buf.ptr + (n * 4) as u64, Some(buf)))
+    if let Some(db) = b.device_batch() {
+        if db.rows != n {
+            return Err(Error::Op { op: "decode rows", msg: format!("{n} spans in a captured step of {} rows", db.rows) });
+        }
+        return Ok((db.slots, db.pos));
+    }
+    let key: Vec<(usize, usize)> = batch.spans.iter().map(|s| (s.slot, s.start)).collect();
+    if state.rows_meta.as_ref().is_none_or(|(k, _)| *k != key) {
+        let v: Vec<i32> = key.iter().map(|&(slot, _)| slot as i32).chain(key.iter().map(|&(_, start)| start as i32)).collect();
+        state.rows_meta = Some((key, DevBuf::from_slice(b.gpu(), &v)?));
+    }
+    let buf = &state.rows_meta.as_ref().expect("set above").1;
+    Ok((buf.ptr, buf.ptr + (n * 4) as u64))
 }
 
 pub fn attention(
@@ -76,7 +77,7 @@ pub fn attention(
             state.ensure_capacity(span.slot, span.start + 1)?;
         }
     }
-    let (slots, pos, _keep) = rows_meta(b, batch)?;
+    let (slots, pos) = rows_meta(b, batch, state)?;
     let inv_freq = b.inv_freq(dims.rope_theta, dims.rotary_dim)?;
     // Splits enough for about two blocks per SM over all rows (the positions are device data).
     let nsplit = (2 * b.gpu().sms as usize).div_ceil(hkv * rows).clamp(1, c.tuning.attn_splits.clamp(1, at::MAX_SPLITS));
@@ -154,7 +155,7 @@ pub fn deltanet(
             state.slot(span.slot)?;
         }
     }
-    let (slots, pos, _keep) = rows_meta(b, batch)?;
+    let (slots, pos) = rows_meta(b, batch, state)?;
     let out = b.tensor(rows, hv * dv)?;
     let stride = |floats: usize| {
         i32::try_from(floats).map_err(|_| Error::Op { op: "deltanet", msg: "state slots too large for the batched decode".into() })

@@ -214,6 +214,9 @@ pub struct CudaState {
     refs: Vec<u32>,
     slots: Vec<Option<SlotState>>,
     plan: MemoryPlan,
+    /// The slots and start positions of the last eager decode-rows batch, on the device
+    /// (`decode_rows`: uploaded once per forward call, read by every layer).
+    pub rows_meta: Option<(Vec<(usize, usize)>, DevBuf)>,
     /// The prefix cache's budget and the blocks added to the pool for it.
     cache_budget: Option<usize>,
     cache_blocks: usize,
@@ -283,6 +286,7 @@ impl CudaState {
             refs: vec![0; num_blocks],
             slots: (0..max_seqs).map(|_| None).collect(),
             plan,
+            rows_meta: None,
             cache_budget: None,
             cache_blocks: 0,
             utilization: opts.memory_utilization,
