@@ -8,15 +8,16 @@
 // rounded values for the Q4 bias term. Up to 4 segments (weights sharing x and K) per launch;
 // the router's top-k epilogue runs in the last block (atomic counter).
 
-// Writes (or adds) a finished 16-row tile: lane (g, t4) holds rows g, g + 8 of tokens 2t4, 2t4 + 1.
-DEVI void store_tile(const GemvArgs& a, const GemvSeg& S, i64 row0, float* out, const float* tot) {
+// Writes (or adds) a finished 16-row tile into `base` (the segment's column 0, row stride ld):
+// lane (g, t4) holds rows g, g + 8 of tokens 2t4, 2t4 + 1.
+DEVI void store_tile(const GemvArgs& a, const GemvSeg& S, i64 row0, float* base, i64 ld, const float* tot) {
     const int g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         int n = 2 * t4 + (i & 1);
         i64 r = row0 + g + (i >> 1) * 8;
         if (n < a.T && r < S.rows) {
-            float* o = out + (i64)n * a.ldo + S.out_col + r;
+            float* o = base + (i64)n * ld + r;
             if (a.accumulate) *o += tot[i];
             else *o = tot[i];
         }
@@ -65,7 +66,7 @@ DEVI void gemv_stream_body(const GemvArgs& a) {
     ring_run(ring, n, ref, [&](int, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {
         unit_any<FMT>(A0, A1, S0, S1, xl, c_u, 1.f, tot);
         if (++c_u == units) {
-            store_tile(a, S, (i64)c_tile * 16, (float*)a.out, tot);
+            store_tile(a, S, (i64)c_tile * 16, (float*)S.out, S.ldo, tot);
             tot[0] = tot[1] = tot[2] = tot[3] = 0.f;
             c_u = 0;
             c_tile += step;
@@ -111,7 +112,11 @@ DEVI void gemv_body(const GemvArgs& a) {
         unit_any<FMT>(A0, A1, S0, S1, xl, lo + ks + i * a.ksplit, 1.f, tot);
     });
     bool owner = reduce_ksplit<1>(tot, red, a.ksplit);
-    if (owner && active) store_tile(a, S, row0, kparts > 1 ? (float*)a.partial + (i64)part * a.ldo : (float*)a.out, tot);
+    if (owner && active) {
+        // K parts write partial sums [part][T][ldo] at the segment's column; the last block adds them.
+        if (kparts > 1) store_tile(a, S, row0, (float*)a.partial + ((i64)part * a.T) * a.ldo + S.out_col, a.ldo, tot);
+        else store_tile(a, S, row0, (float*)S.out, S.ldo, tot);
+    }
     if (a.route_counter) {
         __threadfence();
         __syncthreads();
@@ -125,16 +130,20 @@ DEVI void gemv_body(const GemvArgs& a) {
             __threadfence();
             if (kparts > 1) {  // sum the K parts in a fixed order
                 const int n_out = a.shared_col >= 0 ? a.shared_col + 1 : a.E;
-                for (int c = threadIdx.x; c < n_out; c += blockDim.x) {
+                for (int i = threadIdx.x; i < a.T * n_out; i += blockDim.x) {
+                    const i64 o = (i64)(i / n_out) * a.ldo + i % n_out;
                     float v = 0.f;
-                    for (int p = 0; p < kparts; ++p) v += __ldcg((const float*)a.partial + (i64)p * a.ldo + c);
-                    ((float*)a.out)[c] = v;
+                    for (int p = 0; p < kparts; ++p) v += __ldcg((const float*)a.partial + (i64)p * a.T * a.ldo + o);
+                    ((float*)a.out)[o] = v;
                 }
                 __threadfence();
                 __syncthreads();
             }
-            if (warp == 0)
-                route_topk((const float*)a.out, a.E, a.topk, a.renorm, a.shared_col, (int*)a.route_ids, (float*)a.route_w);
+            // A warp per token: its top-k ids and weights (row strides topk and topk + shared).
+            const int ns = a.shared_col >= 0;
+            if (warp < a.T)
+                route_topk((const float*)a.out + (i64)warp * a.ldo, a.E, a.topk, a.renorm, a.shared_col, (int*)a.route_ids + warp * a.topk,
+                           (float*)a.route_w + warp * (a.topk + ns));
             if (threadIdx.x == 0) *(unsigned*)a.route_counter = 0u;
         }
     }

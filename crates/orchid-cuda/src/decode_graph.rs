@@ -64,18 +64,12 @@ pub struct DecodeGraph {
 
 fn gemv_groups(c: &Ctx, segs: &[(&GpuLinear, usize)], x: u64, norm: Option<(u64, f32)>, out: u64, ldo: usize, acc: bool) -> Result<usize> {
     // One launch per run of segments that share format and K.
-    let mut n = 0;
-    let mut i = 0;
-    while i < segs.len() {
-        let mut j = i + 1;
-        while j < segs.len() && j - i < 4 && segs[j].0.fmt == segs[i].0.fmt && segs[j].0.kpad == segs[i].0.kpad {
-            j += 1;
-        }
-        gemv(c, &segs[i..j], x, 0, 1, norm, out, ldo, acc, None)?;
-        n += 1;
-        i = j;
+    let ws: Vec<&GpuLinear> = segs.iter().map(|s| s.0).collect();
+    let runs = crate::ops::gemv::gemv_groups(&ws);
+    for run in &runs {
+        gemv(c, &segs[run.clone()], x, 0, 1, norm, out, ldo, acc, None)?;
     }
-    Ok(n)
+    Ok(runs.len())
 }
 
 impl DecodeGraph {

@@ -10,7 +10,7 @@ use orchid_model::error::{Error, Result};
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::silu_mul;
 use crate::ops::gemm::{Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
-use crate::ops::gemv::gemv;
+use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
 use crate::ops::moe_decode::{MoeDecode, moe_down_rows, moe_up_rows};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
 use crate::state::{CudaState, KV_BLOCK};
@@ -387,40 +387,56 @@ pub fn moe_rows(
     }
     let ns = w.shared_gate.is_some() as usize;
     let logits = b.tensor(t, e + ns)?;
-    match &w.shared_gate {
-        Some(sg) if t <= 8 && sg.fmt == w.router.fmt && sg.kpad == w.router.kpad => {
-            gemv(c, &[(&w.router, 0), (sg, e)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
-        }
-        sg if t <= 8 => {
-            gemv(c, &[(&w.router, 0)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
-            if let Some(sg) = sg {
-                gemv(c, &[(sg, e)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
-            }
-        }
-        sg => {
-            matmul(c, &w.router, x.ptr(), h, t, logits.ptr(), e + ns)?;
-            if let Some(sg) = sg {
-                matmul(c, sg, x.ptr(), h, t, logits.ptr() + (e * 4) as u64, e + ns)?;
-            }
-        }
-    }
     let ids = DevBuf::alloc(b.gpu(), t * k * 4)?;
     let wts = DevBuf::alloc(b.gpu(), t * (k + ns) * 4)?;
-    mo::topk_rows(
-        c,
-        &mo::TopkArgs {
-            logits: logits.ptr(),
+    let fused = t <= 8 && w.shared_gate.as_ref().is_none_or(|sg| sg.fmt == w.router.fmt && sg.kpad == w.router.kpad);
+    if fused {
+        // Router (and shared gate) logits with every token's top-k in the last block.
+        let partial = DevBuf::alloc(b.gpu(), ROUTER_KPARTS * t * (e + ns) * 4)?;
+        let route = RouteEpi {
+            counter: c.route_counter.ptr,
             ids: ids.ptr,
             wts: wts.ptr,
-            t: t as i32,
-            e: e as i32,
-            topk: k as i32,
-            renorm: dims.norm_topk_prob as i32,
-            ldl: (e + ns) as i32,
-            shared: ns as i32,
-            ..Default::default()
-        },
-    )?;
+            e,
+            topk: k,
+            renorm: dims.norm_topk_prob,
+            shared_col: w.shared_gate.as_ref().map(|_| e),
+            partial: partial.ptr,
+        };
+        let mut segs = vec![(&w.router, 0)];
+        segs.extend(w.shared_gate.as_ref().map(|sg| (sg, e)));
+        gemv(c, &segs, x.ptr(), h, t, norm, logits.ptr(), e + ns, false, Some(route))?;
+    } else {
+        match &w.shared_gate {
+            sg if t <= 8 => {
+                gemv(c, &[(&w.router, 0)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
+                if let Some(sg) = sg {
+                    gemv(c, &[(sg, e)], x.ptr(), h, t, norm, logits.ptr(), e + ns, false, None)?;
+                }
+            }
+            sg => {
+                matmul(c, &w.router, x.ptr(), h, t, logits.ptr(), e + ns)?;
+                if let Some(sg) = sg {
+                    matmul(c, sg, x.ptr(), h, t, logits.ptr() + (e * 4) as u64, e + ns)?;
+                }
+            }
+        }
+        mo::topk_rows(
+            c,
+            &mo::TopkArgs {
+                logits: logits.ptr(),
+                ids: ids.ptr,
+                wts: wts.ptr,
+                t: t as i32,
+                e: e as i32,
+                topk: k as i32,
+                renorm: dims.norm_topk_prob as i32,
+                ldl: (e + ns) as i32,
+                shared: ns as i32,
+                ..Default::default()
+            },
+        )?;
+    }
     let hbuf = DevBuf::alloc(b.gpu(), t * (k + ns) * md.hstride() * 4)?;
     moe_up_rows(c, md, x.ptr(), norm.unwrap_or((0, 0.0)), ids.ptr, hbuf.ptr, t)?;
     moe_down_rows(c, md, hbuf.ptr, wts.ptr, ids.ptr, out, t)

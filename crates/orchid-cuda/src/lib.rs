@@ -247,15 +247,17 @@ impl Backend for CudaBackend {
         let c = &self.ctx;
         let t = x.rows;
         if ops::gemv::use_gemv(c, t) {
-            // The matvec normalises x on load.
-            return ws
-                .iter()
-                .map(|w| {
-                    let out = self.tensor(t, w.rows)?;
-                    ops::gemv::gemv_rows(c, &[(w, 0)], x.ptr(), x.cols, t, Some((norm.buf.ptr, eps)), out.ptr(), w.rows, false)?;
-                    Ok(out)
-                })
-                .collect();
+            // The matvec normalises x on load; weights that share format and K go in one launch.
+            let outs = ws.iter().map(|w| self.tensor(t, w.rows)).collect::<Result<Vec<_>>>()?;
+            let norm = Some((norm.buf.ptr, eps));
+            for run in ops::gemv::gemv_groups(ws) {
+                for r0 in (0..t).step_by(ops::gemv::MAX_TOKENS) {
+                    let n = ops::gemv::MAX_TOKENS.min(t - r0);
+                    let segs: Vec<_> = run.clone().map(|i| (ws[i], outs[i].row_ptr(r0))).collect();
+                    ops::gemv::gemv_each(c, &segs, x.row_ptr(r0), x.cols, n, norm)?;
+                }
+            }
+            return Ok(outs);
         }
         let xn = self.rms_norm(x, norm, eps)?;
         // x rounded to bf16 once for every GEMM of the same K.

@@ -24,10 +24,13 @@ crate::kernel_abi! {
     struct GemvSeg {
         w: u64,
         sb: u64,
+        /// The segment's output column 0: y[t, r] at out + t·ldo + r.
+        out: u64,
         rows: i32,
         tiles: i32,
+        /// The segment's first column in the router's logits (K-part partial sums).
         out_col: i32,
-        pad: i32,
+        ldo: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct GemvArgs {
@@ -124,7 +127,7 @@ pub struct RouteEpi {
     pub topk: usize,
     pub renorm: bool,
     pub shared_col: Option<usize>,
-    /// Scratch for K-split partial sums: f32 [ROUTER_KPARTS][ldo].
+    /// Scratch for K-split partial sums: f32 [ROUTER_KPARTS][T][ldo] (0: no K parts).
     pub partial: u64,
 }
 
@@ -173,18 +176,67 @@ pub fn gemv(
     accumulate: bool,
     route: Option<RouteEpi>,
 ) -> Result<()> {
+    let outs: Vec<Seg> = segs.iter().map(|&(w, col)| Seg { w, out: out + (col * 4) as u64, ldo, col }).collect();
+    launch(c, &outs, x, ldx, t, norm, (out, ldo), accumulate, route)
+}
+
+/// `gemv` of up to four weights into outputs of their own: y_i [t, rows_i] at `outs[i]`.
+pub fn gemv_each(c: &Ctx, segs: &[(&GpuLinear, u64)], x: u64, ldx: usize, t: usize, norm: Option<(u64, f32)>) -> Result<()> {
+    let outs: Vec<Seg> = segs.iter().map(|&(w, out)| Seg { w, out, ldo: w.rows, col: 0 }).collect();
+    launch(c, &outs, x, ldx, t, norm, (0, 0), false, None)
+}
+
+/// Runs of `ws` (indices) that one `gemv_each` launch takes: up to four neighbours sharing
+/// format and K.
+pub fn gemv_groups(ws: &[&GpuLinear]) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < ws.len() {
+        let mut j = i + 1;
+        while j < ws.len() && j - i < 4 && ws[j].fmt == ws[i].fmt && ws[j].kpad == ws[i].kpad && ws[j].cols == ws[i].cols {
+            j += 1;
+        }
+        runs.push(i..j);
+        i = j;
+    }
+    runs
+}
+
+/// One segment of a launch: the weight, its output (column 0, row stride) and, for the router's
+/// K parts, its first column in the shared output.
+struct Seg<'a> {
+    w: &'a GpuLinear,
+    out: u64,
+    ldo: usize,
+    col: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    c: &Ctx,
+    segs: &[Seg],
+    x: u64,
+    ldx: usize,
+    t: usize,
+    norm: Option<(u64, f32)>,
+    (out, ldo): (u64, usize),
+    accumulate: bool,
+    route: Option<RouteEpi>,
+) -> Result<()> {
     if t == 0 || t > MAX_TOKENS || segs.is_empty() || segs.len() > 4 {
         return Err(Error::Op { op: "gemv", msg: format!("{t} tokens, {} segments", segs.len()) });
     }
-    let (fmt, kpad, k) = (segs[0].0.fmt, segs[0].0.kpad, segs[0].0.cols);
-    if segs.iter().any(|(w, _)| w.fmt != fmt || w.kpad != kpad || w.cols != k) {
+    let (fmt, kpad, k) = (segs[0].w.fmt, segs[0].w.kpad, segs[0].w.cols);
+    if segs.iter().any(|s| s.w.fmt != fmt || s.w.kpad != kpad || s.w.cols != k) {
         return Err(Error::Op { op: "gemv", msg: "segments differ in format or K".into() });
     }
     let mut a = GemvArgs::default();
     let mut total_tiles = 0;
-    for (i, (w, col)) in segs.iter().enumerate() {
+    for (i, s) in segs.iter().enumerate() {
+        let w = s.w;
         let tiles = w.rows.div_ceil(16) as i32;
-        a.seg[i] = GemvSeg { w: w.w_ptr(), sb: w.sb_ptr(), rows: w.rows as i32, tiles, out_col: *col as i32, pad: 0 };
+        a.seg[i] =
+            GemvSeg { w: w.w_ptr(), sb: w.sb_ptr(), out: s.out, rows: w.rows as i32, tiles, out_col: s.col as i32, ldo: s.ldo as i32 };
         total_tiles += tiles as usize;
     }
     a.nseg = segs.len() as i32;
@@ -242,7 +294,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 248);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 280);
         assert!(gemv_abi().contains("struct GemvArgs {\n    GemvSeg seg[4];\n"));
     }
 

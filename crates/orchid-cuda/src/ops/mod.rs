@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use orchid_model::error::{Error, Result};
 
-use crate::driver::{Gpu, Kernel};
+use crate::driver::{DevBuf, Gpu, Kernel};
 use crate::options::{CudaOptions, Tuning};
 
 pub mod attention;
@@ -25,6 +25,10 @@ pub struct Ctx {
     pub tuning: Tuning,
     /// Whether the decode graph chains its kernels with programmatic dependent launch.
     pub pdl: bool,
+    /// The arrival counter of the router matvec's top-k epilogue outside the decode graph
+    /// (`gemv::RouteEpi`): zero between launches (the last block resets it), so every router
+    /// launch on the stream shares it.
+    pub route_counter: DevBuf,
     kernels: HashMap<&'static str, Kernel>,
 }
 
@@ -57,7 +61,8 @@ impl Ctx {
             }
         }
         let pdl = opts.pdl && gpu.cc.0 >= 9;
-        Ok(Ctx { gpu, tuning: opts.tuning.clamped(), pdl, kernels })
+        let route_counter = DevBuf::zeros(&gpu, 4)?;
+        Ok(Ctx { gpu, tuning: opts.tuning.clamped(), pdl, route_counter, kernels })
     }
 
     pub fn k(&self, name: &str) -> Kernel {
