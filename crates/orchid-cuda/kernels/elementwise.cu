@@ -1,4 +1,4 @@
-// Row-wise norms, residual adds, SwiGLU, embedding lookup and row gathers.
+// Row-wise norms, residual adds, SwiGLU, zero fills, embedding lookup and row gathers.
 // Shapes: x [T, n] f32 row-major; w [n] f32 multipliers.
 
 // y = x / sqrt(mean(x²) + eps) · w. One block per row.
@@ -38,6 +38,13 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, i64 n) {
     pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) x[i] += y[i];
+}
+
+// x[i] = 0 over n 32-bit words (a kernel rather than a memset, so that it takes part in the
+// decode graphs' launch chaining).
+extern "C" __global__ void zero_words(u32* __restrict__ x, i64 n) {
+    pdl_enter();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) x[i] = 0u;
 }
 
 // out = silu(g) · u over n elements.

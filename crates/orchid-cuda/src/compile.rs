@@ -36,7 +36,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[],
         headers: &[],
         source: include_str!("../kernels/elementwise.cu"),
-        kernels: &["rms_norm", "add_rms_norm", "add_assign", "silu_mul", "gather_rows", "embed_q4", "embed_bf16"],
+        kernels: &["rms_norm", "add_rms_norm", "add_assign", "zero_words", "silu_mul", "gather_rows", "embed_q4", "embed_bf16"],
     },
     KernelFile {
         name: "gemv",

@@ -8,7 +8,7 @@ use orchid_model::config::{AttentionDims, DeltaNetDims, MoeDims};
 use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
-use crate::ops::elementwise::silu_mul;
+use crate::ops::elementwise::{silu_mul, zero_words};
 use crate::ops::gemm::{Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
 use crate::ops::moe_decode::{MoeDecode, moe_down_rows, moe_up_rows};
@@ -257,7 +257,7 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
         && let Some(md) = moe_rows_experts(w, dims)
     {
         let out = b.tensor(t, h)?;
-        out.buf.memset0()?;
+        zero_words(c, out.ptr(), t * h)?;
         moe_rows(b, x, None, w, dims, &md, out.ptr())?;
         return Ok(out);
     }
@@ -269,7 +269,8 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), e)?;
     let ids = DevBuf::alloc(gpu, t * k * 4)?;
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
-    let counts = DevBuf::zeros(gpu, e * 4)?;
+    let counts = DevBuf::alloc(gpu, e * 4)?;
+    zero_words(c, counts.ptr, e)?;
     mo::topk(
         c,
         &mo::TopkArgs {

@@ -1,5 +1,5 @@
 //! Elementwise launchers (kernels/elementwise.cu): RMSNorm (with the residual add), add, SiLU·up,
-//! row gather and the embedding lookup.
+//! zero fill, row gather and the embedding lookup.
 
 use orchid_model::error::Result;
 
@@ -24,6 +24,12 @@ fn grid1d(n: usize) -> u32 {
 pub fn add_assign(c: &Ctx, x: u64, y: u64, n: usize) -> Result<()> {
     let n64 = n as i64;
     c.k("add_assign").launch_raw(&c.gpu, (grid1d(n), 1, 1), 256, 0, params!(x, y, n64))
+}
+
+/// Zeroes `words` 32-bit words at `x`.
+pub fn zero_words(c: &Ctx, x: u64, words: usize) -> Result<()> {
+    let n64 = words as i64;
+    c.k("zero_words").launch_raw(&c.gpu, (grid1d(words), 1, 1), 256, 0, params!(x, n64))
 }
 
 pub fn silu_mul(c: &Ctx, g: u64, u: u64, out: u64, n: usize) -> Result<()> {
