@@ -731,3 +731,305 @@ extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_d
     a.pos_ptr += (u64)r * 4;
     gdn_decode_run(a);
 }
+
+// Batched decode, streamed (ops/deltanet.rs RowsKernel::Stream). In gdn_decode_rows every
+// (head, column slice, row) is a short-lived block: it requests its 16 KB of state, then runs a
+// serial chain (the position, the conv window, the conv, the norms, two block reductions, the
+// cluster exchange of the gated RMSNorm) and only then stores, so most of an SM's time has little
+// in flight (~1.7 TB/s at 64 rows). Here a block owns value head j = blockIdx.x for the rows
+// y, y + G, ... (y = blockIdx.y, G = gridDim.y, one wave: ops/deltanet.rs stream_grid) and walks
+// them as units u = (row n, slice sp) = (u / GDN_NS, u % GDN_NS), a slice being the CW = dv/GDN_NS
+// columns one gdn_decode_rows block owns. The state slice of unit u + GDN_NBUF − 1 (and, with the
+// first slice of a row, the row's conv window and inputs) is requested (cp.async, one group per
+// unit, into a ring of GDN_NBUF buffers; L2 evict-first: read once) while unit u computes, so
+// (GDN_NBUF − 1) slices per block are in flight all the time; the new state is stored straight
+// from registers with streaming stores. One block holds the whole head: the conv, the norms and
+// the gates are computed once per (head, row) instead of once per slice, the new conv window is
+// stored right after the conv, and the gated RMSNorm's sum of squares is a block reduction (no
+// cluster, no cluster barrier, whose release would wait for the previous unit's state stores).
+//
+// The same per-element arithmetic as gdn_decode_rows on sm_90+ (bit-identical results): unit
+// (n, sp) maps its threads to (column, row group) exactly as block sp of that kernel, with the
+// same partial sums in the same order, and the norm adds each slice's output-warp sums of squares
+// in slice order, as the cluster does. The conv state obeys the same two-buffer rule (each row
+// is its own slot); rows_slot, the positions, the states and the conv weights are requested
+// before pdl_enter(), this step's q/k/v, z, b and a after it; nothing is written before it.
+//
+// Dynamic shared memory (stream_smem in ops/deltanet.rs), f32:
+//   st   [GDN_NBUF][dk·CW]  state slices, row-major [dk][CW] (16-byte aligned: first)
+//   rowb [2][RB]            per row (n & 1): old conv window [KC−1][nch] | x [nch] | z [dv] | b, a
+//   wts  [KC][nch]          conv weights of the head's channels (q, k of key head kh; v of head j)
+//   vals [nch]              conv + SiLU of the current row
+//   ocs  [dv]               pre-norm outputs of the current row
+// with nch = 2·dk + dv and RB = KC·nch + dv + 2.
+
+static_assert(GDN_NBUF >= 2 && GDN_NBUF <= 6, "the stream ring waits with cp.async.wait_group 0..4");
+// A row's buffer rowb[n & 1] is refilled by the request of unit (n + 2)·GDN_NS, which must come
+// after the row's last read of it (its output, in unit n·GDN_NS + GDN_NS − 1).
+static_assert(GDN_NBUF <= GDN_NS + 1, "the stream ring may look at most one row ahead");
+
+// 16-byte asynchronous copy global -> shared through L2 only, with an L2 cache policy.
+DEVI void gdn_cp_async16_pol(void* smem, const void* gmem, u64 pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "l"(pol) : "memory");
+}
+
+DEVI u64 gdn_policy_evict_first() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+
+// Waits until this thread's copies of units 0..u have landed. Groups: the prologue's one (units
+// 0..GDN_NBUF−2), then one per iteration (iteration i: unit i + GDN_NBUF − 1); at iteration u,
+// before its own commit, all but the newest min(u, GDN_NBUF − 2) groups must be complete.
+DEVI void gdn_stream_wait(int u) {
+    const int n = min(u, GDN_NBUF - 2);
+    if (n >= 4)
+        cp_async_wait<4>();
+    else if (n == 3)
+        cp_async_wait<3>();
+    else if (n == 2)
+        cp_async_wait<2>();
+    else if (n == 1)
+        cp_async_wait<1>();
+    else
+        cp_async_wait<0>();
+}
+
+struct GdnStreamSmem {
+    float* part;   // [GDN_THREADS] kᵀS partials
+    float* part2;  // [GDN_THREADS] qᵀS partials
+    float* ssq;    // [GDN_NS][2] sums of squares of the row's output warps, [slice][warp]
+    int* rslot;    // [GDN_SROWS] the block's rows: state slot (negative: padding)
+    int* rpos;     // [GDN_SROWS] and position
+};
+
+template <int KCT, int DKT, int DVT>
+DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
+    extern __shared__ __align__(16) float gdn_rs_sm[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int j = blockIdx.x, y = blockIdx.y, G = gridDim.y;
+    const int dk = DKT > 0 ? DKT : a.dk, dv = DVT > 0 ? DVT : a.dv, C = a.C, KC = KCT > 0 ? KCT : a.KC;
+    const int rvk = a.Hv / a.Hk, kh = j / rvk, key_dim = a.Hk * dk;
+    const int CW = dv / GDN_NS, nch = 2 * dk + dv, RG = GDN_THREADS / CW;
+    const int c = tid % CW, rg = tid / CW;
+    const bool act = rg < RG;
+    const int nr = y < a.rows ? (a.rows - y + G - 1) / G : 0;  // rows y, y + G, ...: at most GDN_SROWS
+    const int U = nr * GDN_NS;
+    const int SB = dk * CW, RB = KC * nch + dv + 2;
+    float* st = gdn_rs_sm;
+    float* rowb = st + GDN_NBUF * SB;
+    float* wts = rowb + 2 * RB;
+    float* vals = wts + KC * nch;
+    float* ocs = vals + nch;
+    constexpr bool SREG = DKT > 0 && DVT > 0;  // the slice's state rows in registers (else in place)
+    for (int t = tid; t < nr; t += GDN_THREADS) {
+        const int r = y + t * G, slot = ((const int*)a.rows_slot)[r];
+        sm.rslot[t] = slot;
+        sm.rpos[t] = slot >= 0 ? ((const int*)a.pos_ptr)[r] : 0;
+    }
+    // Local conv channel i -> global channel: q of key head kh, k of kh, v of head j.
+    auto chan = [&](int i) -> int {
+        return i < dk ? kh * dk + i : i < 2 * dk ? key_dim + kh * dk + (i - dk) : 2 * key_dim + j * dv + (i - 2 * dk);
+    };
+    const float* cw_g = (const float*)a.conv_w;
+    for (int i = tid; i < nch; i += GDN_THREADS) {
+        const float* w = cw_g + (i64)chan(i) * KC;
+#pragma unroll(KCT > 0 ? KCT : 1)
+        for (int tap = 0; tap < KC; ++tap) gdn_cp_async4(&wts[tap * nch + i], w + tap);
+    }
+    __syncthreads();  // rslot, rpos
+    const u64 pol = gdn_policy_evict_first();
+    const float* S0 = (const float*)a.state + (i64)j * dk * dv;
+    // Unit k's state slice; with a row's first slice also its old conv window (both written by
+    // an earlier step: allowed before pdl_enter).
+    auto request_state = [&](int k) {
+        if (k >= U) return;
+        const int n = k / GDN_NS, sp = k % GDN_NS, slot = sm.rslot[n];
+        if (slot < 0) return;
+        const float* S = S0 + (i64)slot * a.rec_stride + sp * CW;
+        float* dst = st + (k % GDN_NBUF) * SB;
+        const int cq = CW / 4;  // 16-byte pieces per state row of the slice
+        for (int q = tid; q < dk * cq; q += GDN_THREADS) {
+            const int i = q / cq, e = 4 * (q % cq);
+            gdn_cp_async16_pol(dst + i * CW + e, S + (i64)i * dv + e, pol);
+        }
+        if (sp == 0) {
+            const float* cs = (const float*)a.conv_state + (i64)slot * a.conv_stride + (i64)(sm.rpos[n] & 1) * (KC - 1) * C;
+            float* win = rowb + (n & 1) * RB;
+            for (int i = tid; i < nch; i += GDN_THREADS) {
+                const int ch = chan(i);
+#pragma unroll(KCT > 0 ? KCT : 1)
+                for (int tap = 0; tap < KC - 1; ++tap) gdn_cp_async4(&win[tap * nch + i], cs + (i64)tap * C + ch);
+            }
+        }
+    };
+    // Row n's inputs of this step: x (q/k/v channels), z, b, a (after pdl_enter).
+    auto request_inputs = [&](int n) {
+        if (sm.rslot[n] < 0) return;
+        const i64 r = y + n * G;
+        float* rb = rowb + (n & 1) * RB;
+        const float* x = (const float*)a.qkv + r * a.ld_qkv;
+        for (int i = tid; i < nch; i += GDN_THREADS) gdn_cp_async4(&rb[(KC - 1) * nch + i], x + chan(i));
+        const float* z = (const float*)a.z + r * a.ld_z + (i64)j * dv;
+        for (int i = tid; i < dv; i += GDN_THREADS) gdn_cp_async4(&rb[KC * nch + i], z + i);
+        if (tid == 0) {
+            gdn_cp_async4(&rb[KC * nch + dv], (const float*)a.b + r * a.ld_ba + j);
+            gdn_cp_async4(&rb[KC * nch + dv + 1], (const float*)a.a + r * a.ld_ba + j);
+        }
+    };
+    // Prologue: units 0..GDN_NBUF−2 in one group (with the conv weights).
+    for (int k = 0; k < GDN_NBUF - 1; ++k) request_state(k);
+    const float alog = ((const float*)a.a_log)[j], dtb = ((const float*)a.dt_bias)[j];
+    const float nw = tid < dv ? ((const float*)a.norm_w)[tid] : 0.f;
+    pdl_enter();
+    for (int n = 0; n * GDN_NS <= GDN_NBUF - 2 && n < nr; ++n) request_inputs(n);
+    cp_async_commit();
+    const float qs = 1.f / sqrtf((float)dk);
+    const int OW = (CW + 31) / 32;  // output warps of a slice (CW <= 64)
+    float iq = 0.f, ik = 0.f, beta = 0.f, alpha = 0.f;
+    for (int u = 0; u < U; ++u) {
+        const int n = u / GDN_NS, sp = u % GDN_NS, slot = sm.rslot[n];
+        gdn_stream_wait(u);
+        __syncthreads();  // unit u's copies (all threads') have landed; unit u − 1 is done with its buffers
+        {
+            const int k = u + GDN_NBUF - 1;  // into the buffer unit u − 1 used
+            request_state(k);
+            if (k < U && k % GDN_NS == 0) request_inputs(k / GDN_NS);
+            cp_async_commit();  // one group per iteration, empty or not
+        }
+        float* out = (float*)a.out + (i64)(y + n * G) * a.ld_out + (i64)j * dv;
+        if (slot < 0) {  // padding (the same for the whole block): zeros, no state
+            if (sp == 0)
+                for (int i = tid; i < dv; i += GDN_THREADS) out[i] = 0.f;
+            continue;
+        }
+        const float* rb = rowb + (n & 1) * RB;
+        if (sp == 0) {
+            // Conv + SiLU of the row's channels, and the new conv window (buffer (pos+1)&1; the q/k
+            // channels by the first value head of the key head only).
+            float* cso = (float*)a.conv_state + (i64)slot * a.conv_stride + (i64)((sm.rpos[n] + 1) & 1) * (KC - 1) * C;
+            for (int i = tid; i < nch; i += GDN_THREADS) {
+                const float* wi = rb + i;    // old window tap t: wi[t·nch]; x: wi[(KC−1)·nch]
+                const float* wt = wts + i;   // weight t: wt[t·nch]
+                float acc = 0.f;
+#pragma unroll(KCT > 0 ? KCT : 1)
+                for (int tap = 0; tap < KC - 1; ++tap) acc += wt[tap * nch] * wi[tap * nch];
+                acc += wt[(KC - 1) * nch] * wi[(KC - 1) * nch];
+                vals[i] = siluf_(acc);
+                if (i >= 2 * dk || j % rvk == 0) {
+                    const int ch = chan(i);
+#pragma unroll(KCT > 0 ? KCT : 1)
+                    for (int r2 = 0; r2 + 1 < KC - 1; ++r2) cso[(i64)r2 * C + ch] = wi[(r2 + 1) * nch];
+                    if (KC > 1) cso[(i64)(KC - 2) * C + ch] = wi[(KC - 1) * nch];
+                }
+            }
+            __syncthreads();
+            // L2 norms of q and k (every warp, as in gdn_decode_body), the gates.
+            const float* q = vals;
+            const float* k = vals + dk;
+            float sq = 0.f, sk = 0.f;
+#pragma unroll 4
+            for (int e = lane; e < dk; e += 32) {
+                sq += q[e] * q[e];
+                sk += k[e] * k[e];
+            }
+            sq = warp_sum(sq);
+            sk = warp_sum(sk);
+            iq = 1.f / sqrtf(sq + 1e-6f);
+            ik = 1.f / sqrtf(sk + 1e-6f);
+            const float bj = rb[KC * nch + dv], aj = rb[KC * nch + dv + 1];
+            beta = 1.f / (1.f + expf(-bj));
+            const float g = -expf(alog) * softplusf_(aj + dtb);
+            alpha = expf(g);
+        }
+        const float* q = vals;
+        const float* k = vals + dk;
+        const float* v = vals + 2 * dk + sp * CW;
+        float* buf = st + (u % GDN_NBUF) * SB + c;
+        float s[GDN_MAXR];
+        auto sv = [&](int m) -> float& {
+            if constexpr (SREG)
+                return s[m];
+            else
+                return buf[(rg + m * RG) * CW];
+        };
+        if constexpr (SREG) {
+#pragma unroll
+            for (int m = 0; m < GDN_MAXR; ++m) {
+                const int i = rg + m * RG;
+                s[m] = (act && i < dk) ? buf[i * CW] : 0.f;
+            }
+        }
+        // S ← α·S; kᵀS of the slice's columns.
+        float mem = 0.f;
+#pragma unroll
+        for (int m = 0; m < GDN_MAXR; ++m) {
+            const int i = rg + m * RG;
+            if (act && i < dk) {
+                sv(m) *= alpha;
+                mem += (k[i] * ik) * sv(m);
+            }
+        }
+        sm.part[tid] = act ? mem : 0.f;
+        __syncthreads();
+        float r = 0.f;
+        if (act) {
+#pragma unroll 8
+            for (int q2 = 0; q2 < RG; ++q2) r += sm.part[q2 * CW + c];
+        }
+        const float delta = act ? (v[c] - r) * beta : 0.f;
+        // S ← S + k ⊗ δ, o = qᵀS; the new state slice.
+        float o = 0.f;
+#pragma unroll
+        for (int m = 0; m < GDN_MAXR; ++m) {
+            const int i = rg + m * RG;
+            if (act && i < dk) {
+                sv(m) += (k[i] * ik) * delta;
+                o += ((q[i] * iq) * qs) * sv(m);
+            }
+        }
+        sm.part2[tid] = act ? o : 0.f;
+        float* Sd = (float*)a.state + (i64)slot * a.rec_stride + (i64)j * dk * dv + sp * CW + c;
+#pragma unroll
+        for (int m = 0; m < GDN_MAXR; ++m) {
+            const int i = rg + m * RG;
+            if (act && i < dk) __stcs(Sd + (i64)i * dv, sv(m));
+        }
+        __syncthreads();
+        // Threads tid < CW (row group 0) own the slice's output columns.
+        float oc = 0.f;
+        if (tid < CW) {
+#pragma unroll 8
+            for (int q2 = 0; q2 < RG; ++q2) oc += sm.part2[q2 * CW + tid];
+            ocs[sp * CW + tid] = oc;
+        }
+        const float ssw = warp_sum(oc * oc);
+        if (lane == 0 && warp < OW) sm.ssq[sp * 2 + warp] = ssw;
+        if (sp == GDN_NS - 1) {
+            // Gated RMSNorm over the head's dv columns: the slices' sums in slice order.
+            __syncthreads();
+            if (tid < dv) {
+                float ss = 0.f;
+                for (int t = 0; t < GDN_NS; ++t)
+                    for (int w = 0; w < OW; ++w) ss += sm.ssq[t * 2 + w];
+                const float inv = 1.f / sqrtf(ss / dv + a.eps);
+                out[tid] = ocs[tid] * inv * nw * siluf_(rb[KC * nch + tid]);
+            }
+        }
+    }
+    cp_async_wait<0>();  // the groups after the last unit are empty; nothing is left in flight
+}
+
+// At most 80 registers (ptxas -v: 80, no spills; with the 128 that two blocks per SM would allow,
+// ptxas spills). Shared memory allows two blocks per SM for the Qwen shape anyway.
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 3) gdn_decode_rows_stream(const GdnDecodeArgs a) {
+    __shared__ float part[GDN_THREADS], part2[GDN_THREADS];
+    __shared__ float ssq[GDN_NS * 2];
+    __shared__ int rslot[GDN_SROWS], rpos[GDN_SROWS];
+    const GdnStreamSmem sm{part, part2, ssq, rslot, rpos};
+    if (a.KC == 4 && a.dk == 128 && a.dv == 128)  // Qwen3.5/3.6, Qwen3-Next
+        gdn_stream_body<4, 128, 128>(a, sm);
+    else
+        gdn_stream_body<0, 0, 0>(a, sm);
+}

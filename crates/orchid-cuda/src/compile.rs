@@ -111,7 +111,16 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[deltanet::deltanet_abi],
         headers: &[],
         source: include_str!("../kernels/deltanet.cu"),
-        kernels: &["gdn_conv", "gdn_prep", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm", "gdn_decode", "gdn_decode_rows"],
+        kernels: &[
+            "gdn_conv",
+            "gdn_prep",
+            "gdn_chunk_prep",
+            "gdn_chunk_scan",
+            "gdn_gated_norm",
+            "gdn_decode",
+            "gdn_decode_rows",
+            "gdn_decode_rows_stream",
+        ],
     },
     KernelFile {
         name: "moe",

@@ -188,6 +188,8 @@ pub fn deltanet(
         ld_out: (hv * dv) as i32,
         conv_stride: stride(state.conv_slot_stride())?,
         rec_stride: stride(state.rec_slot_stride())?,
+        rows: rows as i32,
+        pad0: 0,
     };
     if inp.a.cols != inp.b.cols {
         return Err(Error::Op { op: "deltanet", msg: "b and a widths differ".into() });

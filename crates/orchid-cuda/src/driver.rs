@@ -428,6 +428,14 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
+    /// How many blocks of `block` threads with `smem` bytes of dynamic shared memory one SM holds.
+    pub fn max_active_blocks(&self, block: u32, smem: u32) -> Result<usize> {
+        let mut n = 0;
+        // SAFETY: a live function handle; valid out-pointer.
+        check(unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.f, block as i32, smem as usize) }, self.name)?;
+        Ok(n.max(0) as usize)
+    }
+
     /// Launches with one by-value argument struct `A` (laid out `#[repr(C)]` like the CUDA
     /// struct of the same name).
     pub fn launch<A>(&self, gpu: &Gpu, grid: (u32, u32, u32), block: u32, smem: u32, args: &A) -> Result<()> {

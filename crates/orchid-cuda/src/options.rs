@@ -56,11 +56,24 @@ pub struct Tuning {
     /// Most tokens a dense projection runs as matvecs (up to 8 tokens per launch, the weights
     /// read once per launch); larger batches take the GEMM.
     pub gemv_rows_max: usize,
+    /// Batched GDN decode (`ops::deltanet::rows_kernel`): batches of at least this many rows take
+    /// the streamed kernel (`gdn_decode_rows_stream`), smaller ones the block-per-row one
+    /// (`gdn_decode_rows`); 0: never the streamed one.
+    pub gdn_rows_kernel: usize,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { gemv_per_sm: 3, moe_up_ksplit: 0, router_kparts: 8, attn_splits: 64, attn_min_tiles: 8, moe_rows_max: 8, gemv_rows_max: 8 }
+        Tuning {
+            gemv_per_sm: 3,
+            moe_up_ksplit: 0,
+            router_kparts: 8,
+            attn_splits: 64,
+            attn_min_tiles: 8,
+            moe_rows_max: 8,
+            gemv_rows_max: 8,
+            gdn_rows_kernel: 1,
+        }
     }
 }
 
@@ -75,6 +88,7 @@ impl Tuning {
             attn_min_tiles: self.attn_min_tiles.min(4096),
             moe_rows_max: self.moe_rows_max.min(4096),
             gemv_rows_max: self.gemv_rows_max.min(4096),
+            gdn_rows_kernel: self.gdn_rows_kernel.min(4096),
         }
     }
 }
@@ -95,9 +109,11 @@ mod tests {
             attn_min_tiles: 1 << 20,
             moe_rows_max: 0,
             gemv_rows_max: 0,
+            gdn_rows_kernel: 1 << 20,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
+        assert_eq!(c.gdn_rows_kernel, 4096);
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);
     }
 }

@@ -20,6 +20,11 @@ crate::kernel_abi! {
         DECODE_MAX_ROWS => "GDN_MAXR": usize = 16;
         /// Conv channels per thread of the decode kernel: a block convolves 2·dk + dv/DECODE_SPLIT channels.
         DECODE_CH_PER_THREAD => "GDN_NCPT": usize = 3;
+        /// State slices per block of the streamed batched decode (`gdn_decode_rows_stream`) in a
+        /// ring of shared buffers: all but one are in flight while a slice is computed.
+        STREAM_BUFS => "GDN_NBUF": usize = 4;
+        /// Most rows one block of the streamed batched decode takes.
+        STREAM_MAX_ROWS => "GDN_SROWS": usize = 64;
     }
     #[derive(Clone, Copy, Default)]
     struct ConvArgs {
@@ -115,6 +120,9 @@ crate::kernel_abi! {
         /// `gdn_decode_rows`: floats from one slot's conv / recurrent state to the next one's.
         conv_stride: i32,
         rec_stride: i32,
+        /// `gdn_decode_rows_stream`: the number of rows (its grid's y is the blocks per head).
+        rows: i32,
+        pad0: i32,
     }
 }
 
@@ -200,11 +208,73 @@ pub fn gated_norm(c: &Ctx, a: &GNormArgs) -> Result<()> {
     c.k("gdn_gated_norm").launch(&c.gpu, (tasks.div_ceil(4) as u32, 1, 1), 128, 0, a)
 }
 
-/// The fused decode step: `hv·DECODE_SPLIT` blocks (clusters of DECODE_SPLIT, one per value
-/// head). Returns the number of kernels launched: 1 on sm_90+; 2 before (no clusters there, so
-/// `gdn_decode` leaves the pre-norm output and `gdn_gated_norm` normalises it in place).
-/// `decode` of one token of each of `rows` sequences (`a.rows_slot`, `a.pos_ptr`: one i32 per row).
+/// The kernel of a batched decode step (`decode_rows`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowsKernel {
+    /// `gdn_decode_rows`: `decode` with a row index, a block per (value head, column slice, row).
+    Blocks,
+    /// `gdn_decode_rows_stream`: a block per value head and share of the rows, walking (row, column
+    /// slice) units with the next slices' state streamed into a ring of shared buffers (one wave:
+    /// `stream_grid`). The same arithmetic per element as `Blocks` on sm_90+.
+    Stream,
+}
+
+/// Dynamic shared memory of `gdn_decode_rows_stream`: STREAM_BUFS state slices [dk][dv/DECODE_SPLIT],
+/// two row buffers (old conv window, x, z, b, a), the conv weights, a row's conv output and its
+/// pre-norm output, f32.
+pub fn stream_smem(dk: usize, dv: usize, kc: usize) -> usize {
+    let nch = 2 * dk + dv;
+    (STREAM_BUFS * dk * (dv / DECODE_SPLIT) + 2 * (kc * nch + dv + 2) + kc * nch + nch + dv) * 4
+}
+
+/// Static shared memory of `gdn_decode_rows_stream`: partial sums, sums of squares, the rows'
+/// slots and positions.
+pub const STREAM_STATIC_SMEM: usize = (2 * DECODE_THREADS + 2 * DECODE_SPLIT + 2 * STREAM_MAX_ROWS) * 4;
+
+/// The kernel for a batched decode step of `rows` rows: `Stream` from `knob` rows on
+/// (`Tuning::gdn_rows_kernel`; 0: never) if its shared memory fits in `smem_max` bytes.
+pub fn rows_kernel(knob: usize, rows: usize, dk: usize, dv: usize, kc: usize, smem_max: usize) -> RowsKernel {
+    if knob > 0 && rows >= knob && stream_smem(dk, dv, kc) + STREAM_STATIC_SMEM <= smem_max {
+        RowsKernel::Stream
+    } else {
+        RowsKernel::Blocks
+    }
+}
+
+/// Blocks per value head of `gdn_decode_rows_stream` (its grid's y): the rows per block are as
+/// few as one wave allows (`per_sm` blocks on each of `sms` SMs), at most STREAM_MAX_ROWS, then
+/// as few blocks as take them (16 rows on a wave of 12 blocks per head: 8 blocks of 2 rows, not
+/// 4 of 2 and 8 of 1).
+pub fn stream_grid(rows: usize, hv: usize, sms: usize, per_sm: usize) -> usize {
+    let wave = (sms * per_sm / hv.max(1)).max(1);
+    let per_block = rows.div_ceil(wave).clamp(1, STREAM_MAX_ROWS);
+    rows.div_ceil(per_block).max(1)
+}
+
+/// `decode` of one token of each of `rows` sequences (`a.rows_slot`, `a.pos_ptr`: one i32 per
+/// row), on the kernel `rows_kernel` picks.
 pub fn decode_rows(c: &Ctx, a: &GdnDecodeArgs, rows: usize) -> Result<()> {
+    let smem_max = c.gpu.max_smem_optin.max(0) as usize;
+    let k = rows_kernel(c.tuning.gdn_rows_kernel, rows, a.dk as usize, a.dv as usize, a.kc as usize, smem_max);
+    decode_rows_with(c, a, rows, k)
+}
+
+/// `decode_rows` on the given kernel.
+pub fn decode_rows_with(c: &Ctx, a: &GdnDecodeArgs, rows: usize, kernel: RowsKernel) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    if kernel == RowsKernel::Stream {
+        let smem = stream_smem(a.dk as usize, a.dv as usize, a.kc as usize);
+        if smem + STREAM_STATIC_SMEM > c.gpu.max_smem_optin.max(0) as usize {
+            return Err(Error::Op { op: "deltanet", msg: format!("the streamed batched decode needs {smem} bytes of shared memory") });
+        }
+        let k = c.k("gdn_decode_rows_stream");
+        let per_sm = k.max_active_blocks(DECODE_THREADS as u32, smem as u32)?.max(1);
+        let g = stream_grid(rows, a.hv as usize, c.gpu.sms.max(1) as usize, per_sm);
+        let args = GdnDecodeArgs { rows: rows as i32, ..*a };
+        return k.launch(&c.gpu, (a.hv as u32, g as u32, 1), DECODE_THREADS as u32, smem as u32, &args);
+    }
     let smem = decode_smem(a.dk as usize, a.dv as usize, a.kc as usize) as u32;
     let grid = (a.hv as usize * DECODE_SPLIT) as u32;
     c.k("gdn_decode_rows").launch(&c.gpu, (grid, rows as u32, 1), DECODE_THREADS as u32, smem, a)?;
@@ -228,6 +298,9 @@ pub fn decode_rows(c: &Ctx, a: &GdnDecodeArgs, rows: usize) -> Result<()> {
     Ok(())
 }
 
+/// The fused decode step: `hv·DECODE_SPLIT` blocks (clusters of DECODE_SPLIT, one per value
+/// head). Returns the number of kernels launched: 1 on sm_90+; 2 before (no clusters there, so
+/// `gdn_decode` leaves the pre-norm output and `gdn_gated_norm` normalises it in place).
 pub fn decode(c: &Ctx, a: &GdnDecodeArgs) -> Result<usize> {
     let smem = decode_smem(a.dk as usize, a.dv as usize, a.kc as usize) as u32;
     let grid = (a.hv as usize * DECODE_SPLIT) as u32;
@@ -250,7 +323,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<GdnPrepArgs>(), 88);
         assert_eq!(std::mem::size_of::<ChunkArgs>(), 80);
         assert_eq!(std::mem::size_of::<GNormArgs>(), 56);
-        assert_eq!(std::mem::size_of::<GdnDecodeArgs>(), 160);
+        assert_eq!(std::mem::size_of::<GdnDecodeArgs>(), 168);
         check_dims(128, 128, 8192, 4).unwrap();
         check_dims(32, 48, 288, 4).unwrap();
         check_dims(64, 32, 256, 4).unwrap();
@@ -264,6 +337,37 @@ mod tests {
         // The decode launch shape: 128 blocks of 256 threads for the 35B's 32 value heads.
         assert_eq!(32 * DECODE_SPLIT, 128);
         assert_eq!(decode_smem(128, 128, 4), (7 * 288 + 16 * 256) * 4);
+    }
+
+    #[test]
+    fn batched_decode_kernel_and_grid() {
+        // The 35B: four 16 KB state slices in flight, 89,648 B of shared memory in all: two
+        // blocks per SM (228 KB), so 8 blocks per value head fill one wave on 132 SMs.
+        assert_eq!(stream_smem(128, 128, 4), (4 * 128 * 32 + 2 * (4 * 384 + 130) + 4 * 384 + 384 + 128) * 4);
+        assert_eq!(stream_smem(128, 128, 4) + STREAM_STATIC_SMEM, 89_648);
+        assert_eq!(stream_grid(64, 32, 132, 2), 8);
+        assert_eq!(stream_grid(16, 32, 132, 2), 8);
+        assert_eq!(stream_grid(3, 32, 132, 2), 3);
+        assert_eq!(stream_grid(1, 32, 132, 2), 1);
+        assert_eq!(stream_grid(32, 32, 132, 2), 8);
+        assert_eq!(stream_grid(12, 32, 132, 2), 6); // 2 rows per block
+        assert_eq!(stream_grid(16, 32, 132, 3), 8); // a wave of 12: 2 rows per block
+        assert_eq!(stream_grid(64, 32, 132, 3), 11); // 6 rows per block
+        assert_eq!(stream_grid(1000, 32, 132, 2), 16); // at most STREAM_MAX_ROWS rows per block
+        assert!(1000usize.div_ceil(stream_grid(1000, 32, 132, 2)) <= STREAM_MAX_ROWS);
+        assert_eq!(stream_grid(8, 300, 132, 1), 1);
+        assert_eq!(stream_grid(0, 32, 132, 2), 1);
+        let optin = 227 * 1024;
+        assert_eq!(rows_kernel(1, 1, 128, 128, 4, optin), RowsKernel::Stream);
+        assert_eq!(rows_kernel(16, 8, 128, 128, 4, optin), RowsKernel::Blocks);
+        assert_eq!(rows_kernel(16, 16, 128, 128, 4, optin), RowsKernel::Stream);
+        assert_eq!(rows_kernel(0, 64, 128, 128, 4, optin), RowsKernel::Blocks);
+        assert_eq!(rows_kernel(1, 64, 128, 128, 48, optin), RowsKernel::Blocks); // too long a conv window
+        // Every shape check_dims accepts fits the stream's slices (at most 16 KB each) and rows.
+        for (dk, dv) in [(128, 128), (32, 48), (64, 32), (32, 32), (64, 256), (192, 64)] {
+            assert!(dk * (dv / DECODE_SPLIT) <= 4096);
+            assert_eq!(rows_kernel(1, 4, dk, dv, 4, optin), RowsKernel::Stream, "dk {dk} dv {dv}");
+        }
     }
 
     #[test]
