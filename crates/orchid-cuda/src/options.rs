@@ -56,11 +56,23 @@ pub struct Tuning {
     /// Most tokens a dense projection runs as matvecs (up to 8 tokens per launch, the weights
     /// read once per launch); larger batches take the GEMM.
     pub gemv_rows_max: usize,
+    /// Most K parts of a dense GEMM split along K (`ops::gemm::gemm_kparts`; 1: no split-K;
+    /// at most `ops::gemm::GEMM_KPARTS_MAX`).
+    pub gemm_kparts_max: usize,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { gemv_per_sm: 3, moe_up_ksplit: 0, router_kparts: 8, attn_splits: 64, attn_min_tiles: 8, moe_rows_max: 8, gemv_rows_max: 8 }
+        Tuning {
+            gemv_per_sm: 3,
+            moe_up_ksplit: 0,
+            router_kparts: 8,
+            attn_splits: 64,
+            attn_min_tiles: 8,
+            moe_rows_max: 8,
+            gemv_rows_max: 8,
+            gemm_kparts_max: 8,
+        }
     }
 }
 
@@ -75,6 +87,7 @@ impl Tuning {
             attn_min_tiles: self.attn_min_tiles.min(4096),
             moe_rows_max: self.moe_rows_max.min(4096),
             gemv_rows_max: self.gemv_rows_max.min(4096),
+            gemm_kparts_max: self.gemm_kparts_max.clamp(1, crate::ops::gemm::GEMM_KPARTS_MAX),
         }
     }
 }
@@ -95,9 +108,13 @@ mod tests {
             attn_min_tiles: 1 << 20,
             moe_rows_max: 0,
             gemv_rows_max: 0,
+            gemm_kparts_max: 0,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);
+        assert_eq!(c.gemm_kparts_max, 1);
+        let many = Tuning { gemm_kparts_max: 1000, ..Tuning::default() }.clamped();
+        assert_eq!(many.gemm_kparts_max, crate::ops::gemm::GEMM_KPARTS_MAX);
     }
 }

@@ -8,7 +8,8 @@
 //! - `ORCHID_CUDA_HOME`, `CUDA_HOME`, `CUDA_PATH`: CUDA toolkit folders (NVRTC, headers), tried
 //!   before `/usr/local/cuda`; `ORCHID_CUDA_INCLUDE`: header folders (a path list).
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
-//!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES).
+//!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES, MOE_ROWS_MAX, GEMV_ROWS_MAX,
+//!   GEMM_KPARTS_MAX: 1 turns split-K GEMMs off).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -56,6 +57,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 attn_min_tiles: tune("ATTN_MIN_TILES", t.attn_min_tiles),
                 moe_rows_max: tune("MOE_ROWS_MAX", t.moe_rows_max),
                 gemv_rows_max: tune("GEMV_ROWS_MAX", t.gemv_rows_max),
+                gemm_kparts_max: tune("GEMM_KPARTS_MAX", t.gemm_kparts_max),
             },
         }
     })
