@@ -22,6 +22,12 @@
 // list positions p = first + i, reading prepared row x_rows[p] (or p) and writing out row p.
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
 // same row indices; the block writes silu(gate) · up for 64 output rows (C tile rows r and 64 + r).
+//
+// Split-K (dense GEMMs whose weight rows alone leave SMs idle, ops::gemm_kparts): grid.z = K
+// parts; block z sums its share of the k-steps from zero and writes its f32 partial sums (PAIR:
+// gate and up apart) to part z of a scratch matrix; gemm_splitk_reduce adds the parts in the
+// order 0, 1, ... (no atomics: bit-identical runs) and writes the outputs or adds them onto out.
+// The Q4 group-sum term is per 64-group, so it splits with the k-steps.
 
 #define BM 128
 #define BK 128
@@ -61,6 +67,7 @@ static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
 // grid.x = ceil(rows * kpad / 128 / XP_RUNS / 8) (ops::gemm_x). Needs K % 4 == 0, ldx % 4 == 0.
 extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __restrict__ x, __nv_bfloat16* __restrict__ xb,
                                                              float* __restrict__ xs, int rows, int ldx, int K, int kpad) {
+    pdl_enter();
     const int runs = kpad >> 7, lane = threadIdx.x & 31;
     const i64 total = (i64)rows * runs;
     const i64 run0 = (((i64)blockIdx.x * 256 + threadIdx.x) >> 5) * XP_RUNS;
@@ -201,6 +208,7 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
 
 template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
+    pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
     using Cfg = GemmCfg<FMT, BN>;
     constexpr int WN = Cfg::WN;                 // warps along the tokens
     constexpr int WM = 8 / WN;                  // warps along the rows
@@ -233,7 +241,11 @@ DEVI void gemm_body(const GemmArgs& a) {
     const int m0 = blockIdx.x * OUTW;               // first output row (within the expert)
     const int mrem = min(OUTW, a.M - m0);           // output rows of this block that exist
     const i64 wrow0 = (i64)expert * a.rows_e + m0;  // first weight row
-    const int nk = a.kpad / BK;
+    // K part z of grid.z (split-K): k-steps [kt0, kt0 + nk) = [z · N / Z, (z + 1) · N / Z) of
+    // the N = kpad / 128 (parts of ⌊N / Z⌋ or ⌈N / Z⌉ k-steps); one part: all of them.
+    const int nkall = a.kpad / BK;
+    const int kt0 = (int)((i64)blockIdx.z * nkall / gridDim.z);
+    const int nk = (int)((i64)(blockIdx.z + 1) * nkall / gridDim.z) - kt0;
 
     // This thread's copy sources at k-step 0; a k-step advances them by a fixed stride. A copy of
     // a row that does not exist (weight row beyond M, token beyond count) reads nothing (zero-fill)
@@ -273,6 +285,15 @@ DEVI void gemm_body(const GemmArgs& a) {
     }
     const unsigned char* srcX = (const unsigned char*)a.xs;
     if ((int)threadIdx.x < BN && x_ok()) srcX += (i64)(x_rows ? x_rows[start + threadIdx.x] : start + threadIdx.x) * (a.kpad / 16);
+    // Sources at the part's first k-step (k-step kt below is kt0 + kt).
+    if (kt0 > 0) {
+#pragma unroll
+        for (int i = 0; i < QA; ++i) srcA[i] += (i64)kt0 * A_STEP;
+        srcS += (i64)kt0 * Q4_SB_UNIT;
+#pragma unroll
+        for (int i = 0; i < BR; ++i) srcB[i] += (i64)kt0 * 256;
+        srcX += (i64)kt0 * 8;
+    }
 
     // ---- one k-step into stage st: weights, token rows, group sums (this thread's share) ----
     auto load_stage = [&](int kt, int st) {
@@ -373,16 +394,20 @@ DEVI void gemm_body(const GemmArgs& a) {
     }
     __syncthreads();
     // Thread: output row m0 + r for tokens tk0, tk0 + TSTEP, ... of the tile (PAIR: silu of gate
-    // tile row r times up tile row 64 + r).
+    // tile row r times up tile row 64 + r). Split-K: the part's sums go to its partial matrix
+    // [T][ldo] (part z at z · T · ldo), PAIR's gate and up sums apart (up at column ldo / 2 + m),
+    // for gemm_splitk_reduce.
     constexpr int TSTEP = 256 / OUTW;
     const int r = threadIdx.x % OUTW, nst = min(count, BN);
+    const bool split = gridDim.z > 1;
     if (r < mrem) {
-        float* o = (float*)a.out + (i64)start * a.ldo + m0 + r;
+        float* o = (float*)a.out + (i64)blockIdx.z * a.T * a.ldo + (i64)start * a.ldo + m0 + r;
         for (int tk = threadIdx.x / OUTW; tk < nst; tk += TSTEP) {
             float v = Cs[tk * CST + r];
             if (PAIR) {
                 float u = Cs[tk * CST + BM / 2 + r];
-                v = v / (1.f + expf(-v)) * u;
+                if (split) o[(i64)tk * a.ldo + a.ldo / 2] = u;
+                else v = v / (1.f + expf(-v)) * u;
             }
             o[(i64)tk * a.ldo] = v;
         }
@@ -404,3 +429,52 @@ GEMM_KERNEL(gemm_bf16_n64, FMT_BF16, 64, false, 2)
 GEMM_KERNEL(gemm_bf16_n128, FMT_BF16, 128, false, 1)
 GEMM_KERNEL(gemm_bf16_pair_n64, FMT_BF16, 64, true, 2)
 GEMM_KERNEL(gemm_bf16_pair_n128, FMT_BF16, 128, true, 1)
+
+// Split-K reduction: out[n, m] = Σ_z part[z][n][m] for m < M, summed in the order z = 0, 1, ...,
+// kparts − 1 (so every run gives the same bits), then out[n, m] + that sum where acc (a residual
+// add, as add_assign would do it). part: f32 [kparts][T][ldp]; PAIR: silu(Σ gate) · Σ up, the up
+// partials at column ldp / 2 + m. gemm_splitk_reduce4: a thread per 4 consecutive outputs of a
+// row (M and ldo multiples of 4, out 16-byte aligned; ldp always is a multiple of 4);
+// gemm_splitk_reduce: a thread per output. grid (ceil(M / V / 256), T) (ops::gemm).
+// Σ_z p[z · ps] over z = 0 .. kparts − 1 in that order (loads in flight together, adds in order).
+DEVI void sum_parts(const float* p, i64 ps, int kparts, float& s) {
+    s = __ldcg(p);
+#pragma unroll 4
+    for (int z = 1; z < kparts; ++z) s += __ldcg(p + z * ps);
+}
+DEVI void sum_parts(const float* p, i64 ps, int kparts, float4& s) {
+    s = ldcg4(p);
+#pragma unroll 4
+    for (int z = 1; z < kparts; ++z) {
+        const float4 v = ldcg4(p + z * ps);
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+    }
+}
+DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+DEVI float4 silu_times(float4 g, float4 u) {
+    return make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
+}
+DEVI float plus(float a, float b) { return a + b; }
+DEVI float4 plus(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+
+// F: float (a thread per output) or float4 (per 4 consecutive outputs of a row).
+template <typename F>
+DEVI void splitk_reduce(const SplitkArgs& a) {
+    pdl_enter();
+    constexpr int V = sizeof(F) / 4;
+    const int n = blockIdx.y, m = (blockIdx.x * 256 + threadIdx.x) * V;
+    if (m >= a.M) return;
+    const i64 ps = (i64)a.T * a.ldp;  // floats per part
+    const float* p = (const float*)a.part + (i64)n * a.ldp + m;
+    F v;
+    sum_parts(p, ps, a.kparts, v);
+    if (a.pair) {
+        F u;
+        sum_parts(p + a.ldp / 2, ps, a.kparts, u);
+        v = silu_times(v, u);
+    }
+    F* o = (F*)((float*)a.out + (i64)n * a.ldo + m);
+    *o = a.acc ? plus(*o, v) : v;
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_splitk_reduce(const SplitkArgs a) { splitk_reduce<float>(a); }
+extern "C" __global__ void __launch_bounds__(256) gemm_splitk_reduce4(const SplitkArgs a) { splitk_reduce<float4>(a); }

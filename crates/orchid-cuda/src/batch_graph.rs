@@ -16,7 +16,6 @@ use std::sync::Arc;
 use orchid_model::Model;
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
 use orchid_model::error::{Error, Result};
-use orchid_model::model::Ffn;
 
 use crate::CudaBackend;
 use crate::decode_rows::DeviceBatch;
@@ -139,7 +138,7 @@ impl BatchGraph {
                 drop(first);
                 let arena = DevBuf::alloc(&gpu, m.bytes())?;
                 let carve = || Arena::Carve { base: arena.ptr, size: arena.bytes, used: 0 };
-                let pdl = !profile && ctx.pdl && pdl_safe(model, bucket);
+                let pdl = !profile && ctx.pdl;
                 let mut r = capture(carve(), pdl, &mut prof).0;
                 if let (Err(e), true) = (&r, pdl) {
                     tracing::warn!("batch decode graph with programmatic dependent launch failed ({e}); capturing without it");
@@ -233,18 +232,6 @@ impl BatchGraph {
         self.tokens.download(0, bytemuck::cast_slice_mut(&mut out))?;
         Ok(out.into_iter().map(|t| t as u32).collect())
     }
-}
-
-/// Whether every kernel of a `bucket`-row step waits for its predecessor before touching memory
-/// (programmatic dependent launch): the matvec path of up to 8 tokens with the per-token MoE on
-/// every MoE layer (the GEMMs do not wait).
-fn pdl_safe(model: &Model<CudaBackend>, bucket: usize) -> bool {
-    let c = &model.backend.ctx;
-    bucket <= crate::ops::gemv::MAX_TOKENS.min(c.tuning.moe_rows_max)
-        && model.layers.iter().all(|l| match &l.ffn {
-            Ffn::Moe(w) => crate::layers::moe_rows_experts(w, &model.config.moe).is_some(),
-            Ffn::Dense(_) => true,
-        })
 }
 
 /// The bucket a batch of `n` rows runs in: the next power of two (at least 2).

@@ -60,6 +60,9 @@ pub struct Tuning {
     /// the streamed kernel (`gdn_decode_rows_stream`), smaller ones the block-per-row one
     /// (`gdn_decode_rows`); 0: never the streamed one.
     pub gdn_rows_kernel: usize,
+    /// Most K parts of a dense GEMM split along K (`ops::gemm::gemm_kparts`; 1: no split-K;
+    /// at most `ops::gemm::GEMM_KPARTS_MAX`).
+    pub gemm_kparts_max: usize,
 }
 
 impl Default for Tuning {
@@ -73,6 +76,7 @@ impl Default for Tuning {
             moe_rows_max: 8,
             gemv_rows_max: 8,
             gdn_rows_kernel: 1,
+            gemm_kparts_max: 8,
         }
     }
 }
@@ -89,6 +93,7 @@ impl Tuning {
             moe_rows_max: self.moe_rows_max.min(4096),
             gemv_rows_max: self.gemv_rows_max.min(4096),
             gdn_rows_kernel: self.gdn_rows_kernel.min(4096),
+            gemm_kparts_max: self.gemm_kparts_max.clamp(1, crate::ops::gemm::GEMM_KPARTS_MAX),
         }
     }
 }
@@ -110,10 +115,14 @@ mod tests {
             moe_rows_max: 0,
             gemv_rows_max: 0,
             gdn_rows_kernel: 1 << 20,
+            gemm_kparts_max: 0,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
         assert_eq!(c.gdn_rows_kernel, 4096);
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);
+        assert_eq!(c.gemm_kparts_max, 1);
+        let many = Tuning { gemm_kparts_max: 1000, ..Tuning::default() }.clamped();
+        assert_eq!(many.gemm_kparts_max, crate::ops::gemm::GEMM_KPARTS_MAX);
     }
 }

@@ -17,6 +17,7 @@ mod common;
 
 use common::*;
 use orchid_cpu::{CpuBackend, CpuTensor};
+use orchid_cuda::ops::gemm::{self, GemmX};
 use orchid_cuda::{CudaBackend, CudaTensor};
 use orchid_model::backend::{AttentionInputs, Backend, DeltaNetInputs, MoeWeights, StateOptions, StatePool};
 use orchid_model::batch::BatchLayout;
@@ -96,6 +97,120 @@ fn matmul_q4_and_bf16() {
                 report(&format!("matmul {name} strict T={t} K={k} N={n}"), rel_l2(&gy, &strict.data), 1e-4);
                 let loose = c.matmul(&CpuTensor::from_vec(t, k, x), &cw).unwrap();
                 report(&format!("matmul {name} loose T={t} K={k} N={n}"), rel_l2(&gy, &loose.data), 1e-2);
+            }
+        }
+    }
+}
+
+/// Asserts bit-identical outputs (reported as a parity line of error 0 or infinity).
+fn report_same(name: &str, a: &[f32], b: &[f32]) {
+    let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    report(name, if same { 0.0 } else { f64::INFINITY }, 0.0);
+}
+
+/// A dense GEMM of `t` prepared rows in `kparts` K parts (1: one pass), to the host.
+fn gemm_parts(
+    g: &CudaBackend,
+    w: &orchid_cuda::GpuLinear,
+    w2: Option<&orchid_cuda::GpuLinear>,
+    xp: &GemmX,
+    t: usize,
+    kparts: usize,
+) -> Vec<f32> {
+    let out = g.tensor(t, w.rows).unwrap();
+    gemm::gemm_split(&g.ctx, w, w2, xp, t, out.ptr(), w.rows, kparts, false).unwrap();
+    host(g, &out)
+}
+
+/// Split-K dense GEMMs (batched decode: 16–64 tokens) in both formats: against the CPU (strict,
+/// as `matmul_q4_and_bf16`), against the one-pass GEMM (only the summation order differs),
+/// bit-identical from run to run, through `matmul` (the rule's parts) and `matmul_add` (the
+/// reduction adds onto the residual). N = 1001 takes the one-output-per-thread reduction and a
+/// partial row block, N = 2048 and 520 the 4-output one.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_split_k() {
+    let g = gpu();
+    let c = CpuBackend::new();
+    let mut rng = Rng::new(12);
+    let shapes = [(2048usize, 2048usize), (4096, 520), (2048, 1001), (1024, 64)];
+    for &(k, n) in &shapes {
+        for (fmt, name) in [(Fmt::Mlx, "q4"), (Fmt::Hf, "bf16")] {
+            let w = linear(&mut rng, n, k, fmt, 4);
+            let (cw, gw) = (c.upload_linear(&w).unwrap(), g.upload_linear(&w).unwrap());
+            for &t in &[16usize, 33, 64] {
+                let tag = format!("{name} T={t} K={k} N={n}");
+                let x = rng.vec(t * k, 1.0);
+                let gx = up(&g, t, k, &x);
+                let strict = c.matmul(&CpuTensor::from_vec(t, k, round_bf16(&x)), &cw).unwrap().data;
+                let kp = gemm::dense_kparts(&g.ctx, &gw, false, t);
+                println!("split-K {tag}: {kp} parts by the rule");
+                let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+                let one = gemm_parts(&g, &gw, None, &xp, t, 1);
+                report(&format!("split-K one pass strict {tag}"), rel_l2(&one, &strict), 1e-4);
+                for parts in [2, 3, kp.max(4)] {
+                    let y = gemm_parts(&g, &gw, None, &xp, t, parts);
+                    let again = gemm_parts(&g, &gw, None, &xp, t, parts);
+                    report(&format!("split-K {parts} parts strict {tag}"), rel_l2(&y, &strict), 1e-4);
+                    report(&format!("split-K {parts} parts vs one pass {tag}"), rel_l2(&y, &one), 1e-5);
+                    report_same(&format!("split-K {parts} parts run to run {tag}"), &y, &again);
+                }
+                // Through the backend: the rule's parts.
+                let gy = host(&g, &g.matmul(&gx, &gw).unwrap());
+                let gy2 = host(&g, &g.matmul(&gx, &gw).unwrap());
+                report(&format!("split-K matmul strict {tag}"), rel_l2(&gy, &strict), 1e-4);
+                report_same(&format!("split-K matmul run to run {tag}"), &gy, &gy2);
+                // matmul_add: the residual plus the products (the reduction adds where the rule
+                // splits, else the product then add_assign); and the accumulating reduction
+                // with 3 parts explicitly.
+                let r = rng.vec(t * n, 1.0);
+                let want: Vec<f32> = r.iter().zip(&strict).map(|(a, b)| a + b).collect();
+                let mut gr = up(&g, t, n, &r);
+                g.matmul_add(&mut gr, &gx, &gw).unwrap();
+                let got = host(&g, &gr);
+                report(&format!("split-K matmul_add strict {tag}"), rel_l2(&got, &want), 1e-4);
+                let mut gr2 = up(&g, t, n, &r);
+                g.matmul_add(&mut gr2, &gx, &gw).unwrap();
+                report_same(&format!("split-K matmul_add run to run {tag}"), &got, &host(&g, &gr2));
+                let acc = up(&g, t, n, &r);
+                gemm::gemm_split(&g.ctx, &gw, None, &xp, t, acc.ptr(), n, 3, true).unwrap();
+                let y3 = gemm_parts(&g, &gw, None, &xp, t, 3);
+                let sum3: Vec<f32> = r.iter().zip(&y3).map(|(a, b)| a + b).collect();
+                report_same(&format!("split-K accumulate = residual + product {tag}"), &host(&g, &acc), &sum3);
+            }
+        }
+    }
+}
+
+/// The gate/up pair (silu(gate) · up, the shared expert's GEMM) split along K: against the CPU
+/// and the one-pass pair, bit-identical from run to run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_pair_split_k() {
+    let g = gpu();
+    let c = CpuBackend::new();
+    let mut rng = Rng::new(13);
+    for &(k, n) in &[(2048usize, 512usize), (2048, 1001)] {
+        for (fmt, name) in [(Fmt::Mlx, "q4"), (Fmt::Hf, "bf16")] {
+            let (wg, wu) = (linear(&mut rng, n, k, fmt, 4), linear(&mut rng, n, k, fmt, 4));
+            let (cg, cu) = (c.upload_linear(&wg).unwrap(), c.upload_linear(&wu).unwrap());
+            let (gg, gu) = (g.upload_linear(&wg).unwrap(), g.upload_linear(&wu).unwrap());
+            for &t in &[16usize, 33, 64] {
+                let tag = format!("{name} T={t} K={k} N={n}");
+                let x = rng.vec(t * k, 1.0);
+                let cx = CpuTensor::from_vec(t, k, round_bf16(&x));
+                let strict = c.silu_mul(&c.matmul(&cx, &cg).unwrap(), &c.matmul(&cx, &cu).unwrap()).unwrap().data;
+                let gx = up(&g, t, k, &x);
+                let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+                let one = gemm_parts(&g, &gg, Some(&gu), &xp, t, 1);
+                report(&format!("pair one pass strict {tag}"), rel_l2(&one, &strict), 1e-4);
+                for parts in [2, 4] {
+                    let y = gemm_parts(&g, &gg, Some(&gu), &xp, t, parts);
+                    let again = gemm_parts(&g, &gg, Some(&gu), &xp, t, parts);
+                    report(&format!("pair split-K {parts} parts strict {tag}"), rel_l2(&y, &strict), 1e-4);
+                    report(&format!("pair split-K {parts} parts vs one pass {tag}"), rel_l2(&y, &one), 1e-5);
+                    report_same(&format!("pair split-K {parts} parts run to run {tag}"), &y, &again);
+                }
             }
         }
     }

@@ -1,6 +1,6 @@
 //! Prefill GEMM launchers (kernels/gemm.cu): activations prepared once (`gemm_x`), dense and
-//! grouped (MoE) GEMMs with the token-tile choice (pure functions, unit-tested), and `matmul`,
-//! which picks the decode matvec for up to 8 tokens.
+//! grouped (MoE) GEMMs with the token-tile and split-K choices (pure functions, unit-tested), and
+//! `matmul`, which picks the decode matvec for up to 8 tokens.
 
 use orchid_model::error::{Error, Result};
 
@@ -37,6 +37,55 @@ crate::kernel_abi! {
         pad0: i32,
         pad1: i32,
     }
+    #[derive(Clone, Copy, Default)]
+    struct SplitkArgs {
+        /// f32 partial sums [kparts][T][ldp] (PAIR: gate columns [0, ldp / 2), up from ldp / 2).
+        part: u64,
+        out: u64,
+        t: i32 => "T",
+        m: i32 => "M",
+        ldp: i32,
+        ldo: i32,
+        kparts: i32,
+        pair: i32,
+        /// Add onto out (out + Σ) instead of writing it.
+        acc: i32,
+        pad0: i32,
+    }
+}
+
+/// Most K parts of a split-K GEMM (the range of `Tuning::gemm_kparts_max`).
+pub const GEMM_KPARTS_MAX: usize = 16;
+/// Fewest k-steps (of 128 columns) per K part: a part still fills the cp.async pipeline (S − 1 ≤
+/// 5 k-steps in flight) and streams ≥ 36 KB of Q4 weights per block, against a partial tile of
+/// at most 32 KB written and read back.
+pub const SPLITK_MIN_KSTEPS: usize = 4;
+/// Most tokens a split-K GEMM takes (batched decode); beyond, the token tiles fill the GPU and
+/// the partials (8 bytes per token and weight row and part) would cost more than they save.
+pub const SPLITK_MAX_TOKENS: usize = 128;
+
+/// K parts of a dense GEMM of `row_blocks` blocks along the weight rows (128 rows, PAIR 64),
+/// `ksteps` k-steps of 128 and `t` tokens on `sms` SMs, at most `max`: 1 (one pass over K) for
+/// more than `SPLITK_MAX_TOKENS` tokens or when the row blocks alone give every SM one;
+/// otherwise as many parts as give the row blocks about two blocks per SM (2 · sms / row_blocks),
+/// each of at least `SPLITK_MIN_KSTEPS` k-steps (the kernel deals ⌊ksteps / p⌋ or ⌈ksteps / p⌉
+/// to each). The token count only gates it, so that every batch of up to `SPLITK_MAX_TOKENS`
+/// tokens sums each output in the same order, whatever the batch (the sums never depend on the
+/// token tiles). A split GEMM takes `gemm_bn`'s tile (64 tokens; bf16 128 at 128), not the
+/// narrower ones of `gemm_bn_dense`: one wave of up to two blocks per SM up to 64 tokens, two
+/// waves beyond.
+pub fn gemm_kparts(row_blocks: usize, ksteps: usize, t: usize, sms: usize, max: usize) -> usize {
+    if t > SPLITK_MAX_TOKENS || row_blocks == 0 || row_blocks >= sms {
+        return 1;
+    }
+    max.min(ksteps / SPLITK_MIN_KSTEPS).min(2 * sms / row_blocks).max(1)
+}
+
+/// `gemm_kparts` of a dense GEMM of `w` (PAIR: with an up weight of its shape) over `t` tokens
+/// on this context's GPU with its tuning.
+pub fn dense_kparts(c: &Ctx, w: &GpuLinear, pair: bool, t: usize) -> usize {
+    let gx = w.rows.div_ceil(if pair { 64 } else { 128 });
+    gemm_kparts(gx, w.kpad / 128, t, c.gpu.sms as usize, c.tuning.gemm_kparts_max)
 }
 
 /// Token-tile width: 32 for sparse groups (fewer than 32 tokens per expert on average: the
@@ -53,11 +102,12 @@ pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
 
 /// Token-tile width of a dense GEMM with `row_blocks` blocks along the weight rows: `gemm_bn`,
 /// halved (down to 32) while the grid has fewer blocks than the GPU has SMs, so that small
-/// GEMMs spread over more SMs (no split-K: the sums and their order do not depend on the tile
-/// width). Q4 narrows only while the narrower grid still fits one block per SM, a rule set when
-/// a Q4 block's main cost, dequantising its 128 weight rows in registers, was the same for any
-/// width (since then the 32-token kernel dequantises each fragment once, the 64/128-token ones
-/// by 4 token warps: to be re-measured); a bf16 block's work shrinks with its width.
+/// GEMMs spread over more SMs (the sums and their order do not depend on the tile width; the
+/// K parts are chosen apart, `gemm_kparts`). Q4 narrows only while the narrower grid still fits
+/// one block per SM, a rule set when a Q4 block's main cost, dequantising its 128 weight rows in
+/// registers, was the same for any width (since then the 32-token kernel dequantises each
+/// fragment once, the 64/128-token ones by 4 token warps: to be re-measured); a bf16 block's
+/// work shrinks with its width.
 pub fn gemm_bn_dense(fmt: WFormat, t: usize, row_blocks: usize, sms: usize) -> usize {
     let blocks = |bn: usize| row_blocks * t.div_ceil(bn);
     let mut bn = gemm_bn(fmt, t, None);
@@ -137,7 +187,8 @@ pub fn gemm_x(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize) -> Result<Gemm
 }
 
 /// out[n, r] = Σ_k x[rows(n), k] W[r, k] (PAIR: silu(gate) ⊙ up) for many tokens; `x` prepared
-/// by `gemm_x` (row n reads prepared row x_rows[n], or n when x_rows is 0).
+/// by `gemm_x` (row n reads prepared row x_rows[n], or n when x_rows is 0). A dense GEMM is split
+/// along K as `dense_kparts` says.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     c: &Ctx,
@@ -149,6 +200,42 @@ pub fn gemm(
     grouped: Option<Grouped>,
     out: u64,
     ldo: usize,
+) -> Result<()> {
+    let kparts = if grouped.is_none() { dense_kparts(c, w, w2.is_some(), t) } else { 1 };
+    gemm_launch(c, w, w2, x, x_rows, t, grouped, out, ldo, kparts, false)
+}
+
+/// A dense `gemm` in `kparts` K parts (1: one pass; more: split-K, at most one part per
+/// k-step), whatever `gemm_kparts` says; `accumulate` (split-K only) adds the products onto
+/// `out`. For `matmul_add_split` and the tests.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_split(
+    c: &Ctx,
+    w: &GpuLinear,
+    w2: Option<&GpuLinear>,
+    x: &GemmX,
+    t: usize,
+    out: u64,
+    ldo: usize,
+    kparts: usize,
+    accumulate: bool,
+) -> Result<()> {
+    gemm_launch(c, w, w2, x, 0, t, None, out, ldo, kparts, accumulate)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_launch(
+    c: &Ctx,
+    w: &GpuLinear,
+    w2: Option<&GpuLinear>,
+    x: &GemmX,
+    x_rows: u64,
+    t: usize,
+    grouped: Option<Grouped>,
+    out: u64,
+    ldo: usize,
+    kparts: usize,
+    accumulate: bool,
 ) -> Result<()> {
     if x.k != w.cols || x.kpad != w.kpad {
         return Err(Error::Op {
@@ -166,10 +253,27 @@ pub fn gemm(
     }
     let pair = w2.is_some();
     let gx = w.rows.div_ceil(if pair { 64 } else { 128 });
-    let bn = grouped.as_ref().map_or_else(|| gemm_bn_dense(w.fmt, t, gx, c.gpu.sms as usize), |g| g.bn);
+    // K parts (grid.z): at most one per k-step (grouped: one).
+    let kparts = if grouped.is_some() { 1 } else { kparts.clamp(1, (w.kpad / 128).max(1)) };
+    // Token tile: split-K fills the SMs itself (`gemm_kparts`), without the narrower tiles of
+    // `gemm_bn_dense`, which would read and dequantise every weight tile once per token tile.
+    let bn = match &grouped {
+        Some(g) => g.bn,
+        None if kparts > 1 => gemm_bn(w.fmt, t, None),
+        None => gemm_bn_dense(w.fmt, t, gx, c.gpu.sms as usize),
+    };
     if !matches!(bn, 32 | 64 | 128) {
         return Err(Error::Op { op: "gemm", msg: format!("token tile {bn} (32, 64 or 128)") });
     }
+    if accumulate && kparts == 1 {
+        return Err(Error::Op { op: "gemm", msg: "accumulating needs split-K (at least two K parts)".into() });
+    }
+    if kparts > 1 && t > 65535 {
+        return Err(Error::Op { op: "gemm", msg: format!("split-K over {t} tokens (at most 65535: the reduction's grid)") });
+    }
+    // Split-K: the parts' partial sums [kparts][t][ldp] (PAIR: gate, then up), reduced below.
+    let ldp = w.rows.next_multiple_of(4) * if pair { 2 } else { 1 };
+    let scratch = if kparts > 1 { Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?) } else { None };
     let a = GemmArgs {
         w: w.w_ptr(),
         sb: w.sb_ptr(),
@@ -178,21 +282,38 @@ pub fn gemm(
         x: x.xb(),
         xs: x.xs(),
         x_rows,
-        out,
+        out: scratch.as_ref().map_or(out, |b| b.ptr),
         tiles: grouped.as_ref().map_or(0, |g| g.tiles),
         num_tiles: grouped.as_ref().map_or(0, |g| g.num_tiles),
         m: w.rows as i32,
         rows_e: w.rows_pad as i32,
         k: w.cols as i32,
         kpad: w.kpad as i32,
-        ldo: ldo as i32,
+        ldo: if kparts > 1 { ldp } else { ldo } as i32,
         t: t as i32,
         pad0: 0,
         pad1: 0,
     };
     let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
-    c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, 1), 256, gemm_smem(w.fmt, bn) as u32, &a)
+    c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
+    let Some(part) = scratch else { return Ok(()) };
+    let vec = w.rows.is_multiple_of(4) && ldo.is_multiple_of(4) && out.is_multiple_of(16);
+    let r = SplitkArgs {
+        part: part.ptr,
+        out,
+        t: t as i32,
+        m: w.rows as i32,
+        ldp: ldp as i32,
+        ldo: ldo as i32,
+        kparts: kparts as i32,
+        pair: pair as i32,
+        acc: accumulate as i32,
+        pad0: 0,
+    };
+    let threads = if vec { w.rows / 4 } else { w.rows };
+    let name = if vec { "gemm_splitk_reduce4" } else { "gemm_splitk_reduce" };
+    c.k(name).launch(&c.gpu, (threads.div_ceil(256) as u32, t as u32, 1), 256, 0, &r)
 }
 
 /// x·Wᵀ for any number of tokens: matvec kernels for few tokens (`use_gemv`), GEMMs beyond.
@@ -203,6 +324,19 @@ pub fn matmul(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ld
         let xp = gemm_x(c, x, ldx, t, w.cols)?;
         gemm(c, w, None, &xp, 0, t, None, out, ldo)
     }
+}
+
+/// out += x·Wᵀ (out: `t` rows of stride `ldo`) as a split-K GEMM whose reduction adds onto out
+/// (no product matrix, no separate add), where the GEMM takes `t` tokens and `dense_kparts`
+/// splits it; otherwise does nothing and returns false (the caller multiplies, then adds).
+pub fn matmul_add_split(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ldo: usize) -> Result<bool> {
+    let kparts = dense_kparts(c, w, false, t);
+    if use_gemv(c, t) || kparts == 1 {
+        return Ok(false);
+    }
+    let xp = gemm_x(c, x, ldx, t, w.cols)?;
+    gemm_split(c, w, None, &xp, t, out, ldo, kparts, true)?;
+    Ok(true)
 }
 
 /// `matmul` of an input several weights share: the GEMM reads `xp`, x prepared once by `gemm_x`
@@ -262,5 +396,57 @@ mod tests {
         assert_eq!(gemm_bn_dense(WFormat::Bf16, 256, 2, 132), 32);
         assert_eq!(gemm_bn_dense(WFormat::Bf16, 4096, 64, 132), 128);
         assert_eq!(gemm_bn_dense(WFormat::Bf16, 100, 128, 132), 64);
+    }
+
+    #[test]
+    fn split_k_parts() {
+        let kp = |rows: usize, k: usize, t: usize| gemm_kparts(rows.div_ceil(128), k / 128, t, 132, 8);
+        // Batched decode on 132 SMs (at most 8 parts): a 12288 x 2048 weight (96 row blocks, 16
+        // k-steps) in 2 parts (192 blocks at 16 or 64 tokens), 8192 x 2048 in 4, 2048 x 4096
+        // (16 row blocks, 32 k-steps) in 8, 512 x 2048 in 4 (k-steps: 4 each), 2048 x 512 (4
+        // k-steps) whole.
+        assert_eq!(kp(12288, 2048, 64), 2);
+        assert_eq!(kp(12288, 2048, 16), 2);
+        assert_eq!(kp(8192, 2048, 64), 4);
+        assert_eq!(kp(2048, 4096, 64), 8);
+        assert_eq!(kp(512, 2048, 33), 4);
+        assert_eq!(kp(2048, 512, 64), 1);
+        assert_eq!(kp(1, 2048, 9), 4); // a one-row gate
+        // The same for every batch up to SPLITK_MAX_TOKENS tokens (the token count only gates it).
+        for t in 1..=SPLITK_MAX_TOKENS {
+            assert_eq!(kp(2048, 4096, t), 8);
+        }
+        // Prefill and larger batches: one pass.
+        assert_eq!(kp(2048, 4096, SPLITK_MAX_TOKENS + 1), 1);
+        assert_eq!(kp(256, 2048, 4096), 1);
+        // Row blocks that give every SM one (the vocabulary projection): one pass.
+        assert_eq!(kp(132 * 128, 4096, 64), 1);
+        assert_eq!(kp(248320, 2048, 64), 1);
+        // Just under: two blocks per SM at most.
+        assert_eq!(kp(131 * 128, 4096, 64), 2);
+        assert_eq!(gemm_kparts(67, 32, 64, 132, 8), 3);
+        // The knob: 1 is off, more caps the parts.
+        assert_eq!(gemm_kparts(16, 32, 64, 132, 1), 1);
+        assert_eq!(gemm_kparts(16, 32, 64, 132, 2), 2);
+        assert_eq!(gemm_kparts(16, 64, 64, 132, GEMM_KPARTS_MAX), 16);
+        assert_eq!(gemm_kparts(1, 1000, 64, 132, GEMM_KPARTS_MAX), GEMM_KPARTS_MAX);
+        // Short K: at least SPLITK_MIN_KSTEPS k-steps per part.
+        assert_eq!(gemm_kparts(16, 7, 64, 132, 8), 1);
+        assert_eq!(gemm_kparts(16, 8, 64, 132, 8), 2);
+        assert_eq!(gemm_kparts(16, 19, 64, 132, 8), 4);
+        assert_eq!(gemm_kparts(0, 19, 64, 132, 8), 1);
+        // Every choice: parts of at least SPLITK_MIN_KSTEPS k-steps, at most about two blocks
+        // per SM from the row blocks, within the cap.
+        for sms in [1, 16, 78, 132, 144] {
+            for rb in 0..300 {
+                for ks in 0..80 {
+                    let p = gemm_kparts(rb, ks, 64, sms, 8);
+                    assert!((1..=8).contains(&p));
+                    if p > 1 {
+                        assert!(ks / p >= SPLITK_MIN_KSTEPS && rb < sms && rb * p <= 2 * sms, "{rb} {ks} {sms}: {p}");
+                    }
+                }
+            }
+        }
     }
 }

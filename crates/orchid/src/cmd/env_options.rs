@@ -9,7 +9,7 @@
 //!   before `/usr/local/cuda`; `ORCHID_CUDA_INCLUDE`: header folders (a path list).
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
 //!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES, MOE_ROWS_MAX, GEMV_ROWS_MAX,
-//!   GDN_ROWS).
+//!   GDN_ROWS, GEMM_KPARTS_MAX: 1 turns split-K GEMMs off).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -58,6 +58,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 moe_rows_max: tune("MOE_ROWS_MAX", t.moe_rows_max),
                 gemv_rows_max: tune("GEMV_ROWS_MAX", t.gemv_rows_max),
                 gdn_rows_kernel: tune("GDN_ROWS", t.gdn_rows_kernel),
+                gemm_kparts_max: tune("GEMM_KPARTS_MAX", t.gemm_kparts_max),
             },
         }
     })
