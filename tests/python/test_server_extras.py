@@ -179,6 +179,7 @@ def test_flags_from_the_environment_and_aliases():
     for alias in ("--max-model-len", "--max-num-seqs", "--served-model-name", "--max-num-batched-tokens", "--gpu-memory-utilization"):
         assert alias in out, alias
     assert "ORCHID_MAX_SEQS" in out and "ORCHID_PORT" in out and "ORCHID_GPU_MEMORY_UTILIZATION" in out
+    assert "ORCHID_PREFILL_CHUNK" in out and "ORCHID_MAX_NUM_BATCHED_TOKENS" in out
     old = {k: os.environ.get(k) for k in ("ORCHID_MAX_SEQS", "ORCHID_MODEL_ID")}
     os.environ.update(ORCHID_MAX_SEQS="3", ORCHID_MODEL_ID="from-env")
     try:

@@ -1,7 +1,8 @@
 //! The generation loop. One thread owns the model and the state pool; clients talk to it
 //! through channels. Each step: admit queued requests into free state slots, build one flat
-//! batch (one token for every decoding sequence, plus prefill chunks of new ones), run the
-//! model, sample, stream events. A client that drops its receiver cancels its request.
+//! batch (one token for every decoding sequence, plus the next prefill chunk of each new one
+//! while the step's prompt-token budget lasts), run the model, sample, stream events. A client
+//! that drops its receiver cancels its request.
 //!
 //! Determinism: a sequence's prompt is always split at the same chunk boundaries and every
 //! op computes each row independently, so a request's output does not depend on what else
@@ -63,10 +64,14 @@ pub struct EngineOptions {
     pub max_seqs: usize,
     /// Longest prompt + output of one sequence.
     pub max_context: usize,
-    /// Prompt tokens one step runs, over all sequences still in their prompt (vLLM's
-    /// `max_num_batched_tokens`, less the decode tokens): each step runs one token of every
-    /// decoding sequence plus up to this many prompt tokens; a longer prompt takes several steps.
+    /// Prompt tokens of one request one step runs: a longer prompt takes several steps, so that
+    /// decoding goes on between them (vLLM's `long_prefill_token_threshold`). At least 1.
     pub prefill_chunk: usize,
+    /// Prompt tokens one step runs over all requests still in their prompt (vLLM's
+    /// `max_num_batched_tokens`, less the decode tokens): each step runs one token of every
+    /// decoding sequence plus the next span of each prompt, in arrival order, while they fit.
+    /// Raised to `prefill_chunk` when smaller.
+    pub max_batched_tokens: usize,
     /// Requests allowed to wait for a slot.
     pub max_queue: usize,
     /// Decode a lone sequence through the backend's fast decoder when it has one (CUDA: the
@@ -94,6 +99,7 @@ impl Default for EngineOptions {
             max_seqs: 16,
             max_context: 32768,
             prefill_chunk: 512,
+            max_batched_tokens: 2048,
             max_queue: 64,
             fast_decode: true,
             prefix_cache: true,
@@ -185,6 +191,8 @@ pub struct EngineStats {
     pub generated_tokens: AtomicUsize,
     /// Decode steps run by the fast decoder (the rest of the decoding ran the generic step).
     pub fast_decode_steps: AtomicUsize,
+    /// Steps that ran prompt tokens (of one or more requests).
+    pub prefill_steps: AtomicUsize,
     /// Requests that restored a cached prefix, and those that found none.
     pub prefix_cache_hits: AtomicUsize,
     pub prefix_cache_misses: AtomicUsize,
@@ -308,6 +316,9 @@ where
     B: Backend,
     F: FnOnce() -> anyhow::Result<LoadedModel<B>> + Send + 'static,
 {
+    // The options as the engine uses them, which the handle reports.
+    let prefill_chunk = opts.prefill_chunk.max(1);
+    let opts = EngineOptions { prefill_chunk, max_batched_tokens: opts.max_batched_tokens.max(prefill_chunk), ..opts };
     let (tx, rx) = channel();
     let info = Arc::new(OnceLock::new());
     let failed = Arc::new(OnceLock::new());
@@ -729,7 +740,6 @@ impl<B: Backend> Engine<B> {
         // The decoding sequences go through the fast decoder when they all can; the forward
         // call below then runs only the prompts being prefilled.
         let decoded = self.fast_step();
-        let chunk = self.opts.prefill_chunk.max(1);
         let mut ids = Vec::new();
         let mut spans = Vec::new();
         let mut members = Vec::new();
@@ -740,11 +750,15 @@ impl<B: Backend> Engine<B> {
                 members.push(i);
             }
         }
-        let mut budget = chunk;
+        // The prompts' next spans, in arrival order, while they fit in the step's budget (the
+        // first always runs). A span that does not fit waits for the next step whole: cutting
+        // it to the budget would make a prompt's chunk boundaries depend on what else runs.
+        let full = self.opts.max_batched_tokens;
+        let mut budget = full;
         for (i, s) in self.running.iter().enumerate() {
             if !s.decoding() {
-                let n = s.next_span(chunk);
-                if n > budget && budget < chunk {
+                let n = s.next_span(self.opts.prefill_chunk);
+                if n > budget && budget < full {
                     break;
                 }
                 ids.extend_from_slice(&s.prompt[s.prefilled..s.prefilled + n]);
@@ -755,6 +769,10 @@ impl<B: Backend> Engine<B> {
                     break;
                 }
             }
+        }
+        if budget < full {
+            // A prompt span ran.
+            self.stats.prefill_steps.fetch_add(1, Ordering::Relaxed);
         }
         if spans.is_empty() {
             return;

@@ -38,11 +38,14 @@ pub struct ServeArgs {
     /// wait); beyond that, 503 with Retry-After.
     #[arg(long, env = "ORCHID_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
-    /// Prompt tokens one engine step runs, over all requests still in their prompt: each step
-    /// (one forward call) runs one token of every decoding sequence plus up to this many prompt
-    /// tokens, so a longer prompt spreads over several steps and decoding goes on between them.
-    #[arg(long, visible_alias = "max-num-batched-tokens", env = "ORCHID_PREFILL_CHUNK", default_value_t = 512)]
+    /// Prompt tokens of one request an engine step runs: a longer prompt spreads over several
+    /// steps, and decoding goes on between them.
+    #[arg(long, env = "ORCHID_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
+    /// Prompt tokens an engine step runs over all requests still in their prompt (at least
+    /// --prefill-chunk); the decode tokens come on top.
+    #[arg(long, env = "ORCHID_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    max_num_batched_tokens: usize,
     /// The share of the GPU's total memory orchid may use in all, weights included, in (0, 1]
     /// (CUDA only). The GDN state of --max-seqs sequences must fit in what the weights leave of
     /// it; the KV cache gets the rest, up to --max-seqs full-length sequences.
@@ -105,7 +108,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let mut opts = EngineOptions {
         max_seqs: a.max_seqs.max(1),
         max_context: a.max_context.max(2),
-        prefill_chunk: a.prefill_chunk.max(1),
+        prefill_chunk: a.prefill_chunk,
+        max_batched_tokens: a.max_num_batched_tokens,
         max_queue: a.max_queue,
         gpu_memory_utilization: a.gpu_memory_utilization,
         kv_cache_tokens: a.kv_cache_tokens,
