@@ -75,7 +75,7 @@ impl Default for Tuning {
             attn_min_tiles: 8,
             moe_rows_max: 8,
             gemv_rows_max: 8,
-            gdn_rows_kernel: 1,
+            gdn_rows_kernel: 16,
             gemm_kparts_max: 8,
         }
     }
