@@ -2,7 +2,21 @@
 // counter-based generator. The chosen token is written to the next step's input slot; in a
 // captured decode step the position and step counters advance on the device.
 //
-// Shapes: logits [vocab] f32 (one row); ids ≥ `valid` are never chosen.
+// Shapes: logits [vocab] f32 (one row); ids ≥ `valid` are never chosen. A row may come with a
+// token mask (`SampleArgs::mask`, read when `SampleParams::masked` is set): u32 [ceil(vocab/32)],
+// token i allowed when bit i % 32 of word i / 32 is set. A masked-out token reads as a logit of
+// -inf, before any filter (as the host applies a grammar's mask before its sampler).
+
+// The row's mask, or null when it has none.
+DEVI const u32* row_mask(const SampleArgs& a, const SampleParams& p) {
+    return a.mask && p.masked ? (const u32*)a.mask : nullptr;
+}
+
+// Logit i of the row, -inf when the mask does not allow it.
+DEVI float masked_logit(const float* l, const u32* allow, int i) {
+    if (allow && !((allow[i >> 5] >> (i & 31)) & 1u)) return NEG_INF;
+    return l[i];
+}
 
 DEVI void finish_token(const SampleArgs& a, int tok) {
     int* step = (int*)a.step;
@@ -25,9 +39,10 @@ DEVI void sample_argmax_body(const SampleArgs& a) {
     const int per = (valid + gridDim.x - 1) / gridDim.x;
     const int lo = blockIdx.x * per, hi = min(valid, lo + per);
     const float* l = (const float*)a.logits;
+    const u32* allow = row_mask(a, *p);
     float bv = NEG_INF;
     int bi = 0x7fffffff;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(bv, bi, l[i], i);
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(bv, bi, masked_logit(l, allow, i), i);
     for (int o = 16; o > 0; o >>= 1) argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
@@ -72,11 +87,13 @@ DEVI void sample_general_body(const SampleArgs& a) {
     const SampleParams P = *(const SampleParams*)a.params;
     const int valid = min(a.vocab, P.valid);
     const float* l = (const float*)a.logits;
+    const u32* allow = row_mask(a, P);
+    auto lg = [&](int i) -> float { return masked_logit(l, allow, i); };
     const int tid = threadIdx.x;
     // Max (and argmax for greedy).
     float bv = NEG_INF;
     int bi = 0x7fffffff;
-    for (int i = tid; i < valid; i += SB) argmax_merge(bv, bi, l[i], i);
+    for (int i = tid; i < valid; i += SB) argmax_merge(bv, bi, lg(i), i);
     for (int o = 16; o > 0; o >>= 1) argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -104,7 +121,7 @@ DEVI void sample_general_body(const SampleArgs& a) {
             for (int b = tid; b < 256; b += SB) hist[b] = 0;
             __syncthreads();
             for (int i = tid; i < valid; i += SB) {
-                u32 k = float_key(l[i]);
+                u32 k = float_key(lg(i));
                 if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
             }
             __syncthreads();
@@ -128,8 +145,8 @@ DEVI void sample_general_body(const SampleArgs& a) {
     if (P.top_p < 1.f) {
         u64 zs = 0;
         for (int i = tid; i < valid; i += SB) {
-            u32 k = float_key(l[i]);
-            if (k >= tau_k) zs += mass_of(l[i]);
+            u32 k = float_key(lg(i));
+            if (k >= tau_k) zs += mass_of(lg(i));
         }
         chunk[tid] = zs;
         __syncthreads();
@@ -148,8 +165,8 @@ DEVI void sample_general_body(const SampleArgs& a) {
             for (int b = tid; b < 256; b += SB) hmass[b] = 0;
             __syncthreads();
             for (int i = tid; i < valid; i += SB) {
-                u32 k = float_key(l[i]);
-                if (k >= tau_k && (k & mask) == prefix) atomicAdd((unsigned long long*)&hmass[(k >> shift) & 255], (unsigned long long)mass_of(l[i]));
+                u32 k = float_key(lg(i));
+                if (k >= tau_k && (k & mask) == prefix) atomicAdd((unsigned long long*)&hmass[(k >> shift) & 255], (unsigned long long)mass_of(lg(i)));
             }
             __syncthreads();
             if (tid == 0) {
@@ -174,7 +191,7 @@ DEVI void sample_general_body(const SampleArgs& a) {
     const u32 tau = tau_k > tau_p ? tau_k : tau_p;
     const float zmin = P.min_p > 0.f ? logf(P.min_p) : NEG_INF;
     auto kept = [&](int i) -> bool {
-        float x = l[i];
+        float x = lg(i);
         return float_key(x) >= tau && (double)(x - M) * invT >= (double)zmin;
     };
     // Draw: contiguous chunks per thread, exclusive scan of chunk masses, walk the chunk.
@@ -182,7 +199,7 @@ DEVI void sample_general_body(const SampleArgs& a) {
     const int lo = tid * per, hi = min(valid, lo + per);
     u64 mine = 0;
     for (int i = lo; i < hi; ++i)
-        if (kept(i)) mine += mass_of(l[i]);
+        if (kept(i)) mine += mass_of(lg(i));
     chunk[tid] = mine;
     __syncthreads();
     for (int o = 1; o < SB; o <<= 1) {
@@ -201,7 +218,7 @@ DEVI void sample_general_body(const SampleArgs& a) {
         u64 acc = before;
         for (int i = lo; i < hi; ++i) {
             if (!kept(i)) continue;
-            acc += mass_of(l[i]);
+            acc += mass_of(lg(i));
             if (r < acc) { s_tok = i; break; }
         }
     }
@@ -220,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(SB) sample_general(const SampleArgs
 }
 
 // One row of a [rows, vocab] logits matrix per blockIdx.y, each with its own parameters, partials,
-// counter, output token and step counter (consecutive, one per row); no position to advance.
+// counter, output token, step counter and mask (consecutive, one per row); no position to advance.
 DEVI SampleArgs sample_row(const SampleArgs& a0) {
     const int r = blockIdx.y;
     SampleArgs a = a0;
@@ -230,6 +247,7 @@ DEVI SampleArgs sample_row(const SampleArgs& a0) {
     a.counter += (u64)r * 4;
     a.token_out += (u64)r * 4;
     if (a.step) a.step += (u64)r * 4;
+    if (a.mask) a.mask += (u64)r * ((a0.vocab + 31) / 32) * 4;
     a.pos = 0;
     return a;
 }

@@ -1,11 +1,12 @@
 //! Batched decode: one token of each of up to `bucket` sequences per step, as one CUDA graph that
 //! is a capture of `Model::forward` over a batch of single-token spans, followed by the sampling
-//! of every row on the GPU with the row's own parameters.
+//! of every row on the GPU with the row's own parameters and, for a row under a grammar, its
+//! token mask.
 //!
 //! The graph reads its inputs from device buffers (`DeviceBatch`: token ids, state slots,
-//! positions, plus each row's step counter and sampling parameters), so one capture per bucket
-//! size serves whatever sequences are running; rows past the running ones are padding (slot −1:
-//! their attention and GDN blocks write zeros and touch no state). The temporaries of the
+//! positions, plus each row's step counter, sampling parameters and mask), so one capture per
+//! bucket size serves whatever sequences are running; rows past the running ones are padding
+//! (slot −1: their attention and GDN blocks write zeros and touch no state). The temporaries of the
 //! forward pass are allocated and freed inside the graph (stream-ordered allocation becomes graph
 //! memory nodes). Between replays the host does what the captured walk cannot: it makes sure
 //! every row's KV blocks exist and keeps the per-layer cache lengths in step, as the eager
@@ -25,7 +26,7 @@ use crate::state::CudaState;
 
 /// One running sequence's decode step.
 #[derive(Clone, Copy, Debug)]
-pub struct BatchRow {
+pub struct BatchRow<'a> {
     pub slot: usize,
     /// Input token, at position `pos` (the slot holds `pos` positions before the step).
     pub token: u32,
@@ -33,6 +34,9 @@ pub struct BatchRow {
     /// The generator's counter for the sampled token (its index among the generated ones).
     pub index: usize,
     pub params: sp::SampleParams,
+    /// The tokens the row may pick: `vocab.div_ceil(32)` words, bit `i % 32` of word `i / 32`
+    /// for token `i` (the sampler reads every other token as -inf); `None`: all of them.
+    pub mask: Option<&'a [u32]>,
 }
 
 pub struct BatchGraph {
@@ -43,11 +47,17 @@ pub struct BatchGraph {
     /// i32 [4, bucket]: token ids, slots, positions, step counters.
     inputs: DevBuf,
     params: DevBuf,
+    /// u32 [bucket, words]: the rows' token masks (read for rows whose parameters say `masked`).
+    masks: DevBuf,
+    /// Words per mask row: vocab.div_ceil(32).
+    words: usize,
     tokens: DevBuf,
     /// Sampling scratch (kept for the graph's lifetime).
     _partial: DevBuf,
     _counters: DevBuf,
     host_params: Vec<sp::SampleParams>,
+    /// Staging of the masked rows' words for their one upload.
+    host_masks: Vec<u32>,
     pub nodes: usize,
     /// Whether the step's kernels are chained by programmatic dependent launch.
     pub pdl: bool,
@@ -87,6 +97,8 @@ impl BatchGraph {
         let inputs = i32s(4 * bucket)?;
         let host_params = vec![sp::SampleParams::greedy(v); bucket];
         let params = DevBuf::from_slice(&gpu, &host_params)?;
+        let words = v.div_ceil(32);
+        let masks = DevBuf::zeros(&gpu, bucket * words * 4)?;
         let tokens = i32s(bucket)?;
         let partial = DevBuf::zeros(&gpu, bucket * sp::ARGMAX_BLOCKS * 8)?;
         let counters = i32s(bucket)?;
@@ -109,6 +121,7 @@ impl BatchGraph {
             token_out: tokens.ptr,
             pos: 0,
             step: at(3),
+            mask: masks.ptr,
             vocab: v as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
         };
@@ -159,10 +172,13 @@ impl BatchGraph {
             graph,
             inputs,
             params,
+            masks,
+            words,
             tokens,
             _partial: partial,
             _counters: counters,
             host_params,
+            host_masks: Vec::new(),
             nodes,
             pdl,
             prof,
@@ -187,11 +203,16 @@ impl BatchGraph {
     }
 
     /// Runs one decode step of `rows` (at most `bucket`, distinct slots) and returns the sampled
-    /// tokens in row order. The rows' states advance by one position.
+    /// tokens in row order. The rows' states advance by one position. Everything the step reads
+    /// from the host (inputs, changed parameters, the masked rows' masks) is copied on the
+    /// graph's stream before the launch.
     pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow]) -> Result<Vec<u32>> {
         let n = rows.len();
         if n == 0 || n > self.bucket {
             return Err(Error::Op { op: "batch decode", msg: format!("{n} rows for a graph of {}", self.bucket) });
+        }
+        if let Some(m) = rows.iter().filter_map(|r| r.mask).find(|m| m.len() != self.words) {
+            return Err(Error::Op { op: "batch decode", msg: format!("a token mask of {} words, not {}", m.len(), self.words) });
         }
         self.ctx.gpu.bind()?;
         for r in rows {
@@ -216,13 +237,24 @@ impl BatchGraph {
         self.inputs.upload(0, bytemuck::cast_slice(&input))?;
         let mut changed = false;
         for (i, r) in rows.iter().enumerate() {
-            if self.host_params[i] != r.params {
-                self.host_params[i] = r.params;
+            let p = sp::SampleParams { masked: r.mask.is_some() as i32, ..r.params };
+            if self.host_params[i] != p {
+                self.host_params[i] = p;
                 changed = true;
             }
         }
         if changed {
             self.params.upload(0, bytemuck::cast_slice(&self.host_params))?;
+        }
+        // The masked rows' masks, in one copy from the first masked row to the last.
+        let masked: Vec<usize> = (0..n).filter(|&i| rows[i].mask.is_some()).collect();
+        if let (Some(&lo), Some(&hi)) = (masked.first(), masked.last()) {
+            let w = self.words;
+            self.host_masks.resize((hi + 1 - lo) * w, 0);
+            for &i in &masked {
+                self.host_masks[(i - lo) * w..(i - lo + 1) * w].copy_from_slice(rows[i].mask.expect("a masked row"));
+            }
+            self.masks.upload(lo * w * 4, bytemuck::cast_slice(&self.host_masks))?;
         }
         for r in rows {
             state.slot_mut(r.slot)?.attn_len.iter_mut().for_each(|l| *l += 1);

@@ -406,6 +406,7 @@ impl DecodeGraph {
             token_out: self.token.ptr,
             pos: if advance_pos { self.pos.ptr } else { 0 },
             step: self.step.ptr,
+            mask: 0,
             vocab: self.vocab as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
         };

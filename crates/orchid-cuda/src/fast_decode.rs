@@ -16,7 +16,9 @@
 //! Sampling runs on the GPU (`kernels/sampling.cu`): greedy is the same argmax as the host
 //! sampler (lowest id among equal maxima); temperature/top-k/top-p/min-p draw from a counter-based
 //! generator keyed by (seed, token index), so seeded output is reproducible on this path but is
-//! not the host sampler's random stream.
+//! not the host sampler's random stream. A step under a grammar comes with a token mask, which
+//! only the batch graphs read (`masks`): the engine sends such a sequence through `step_batch`,
+//! alone as a batch of one if need be.
 
 use std::collections::HashMap;
 
@@ -72,7 +74,7 @@ pub fn sample_params(s: &DeviceSampling) -> SampleParams {
         top_k: s.top_k.min(i32::MAX as usize) as i32,
         seed: s.seed,
         valid,
-        pad: 0,
+        masked: 0,
     }
 }
 
@@ -108,6 +110,9 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     }
 
     fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<u32> {
+        if step.mask.is_some() {
+            return Err(Error::Op { op: "decode", msg: "a token mask for a single-sequence graph (step_batch takes them)".into() });
+        }
         let p = sample_params(&step.sampling);
         let key = (step.slot, p.is_greedy());
         let c = self
@@ -145,6 +150,12 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         }
     }
 
+    /// The batch graphs read a token mask per row (a lone masked sequence runs in the smallest
+    /// bucket); the single-sequence graphs take none.
+    fn masks(&self) -> bool {
+        true
+    }
+
     fn prepare_batch(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<()> {
         let key = batch_key(steps);
         if let std::collections::hash_map::Entry::Vacant(slot) = self.batches.entry(key) {
@@ -166,7 +177,14 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     fn step_batch(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<Vec<u32>> {
         let rows: Vec<BatchRow> = steps
             .iter()
-            .map(|s| BatchRow { slot: s.slot, token: s.token, pos: s.pos, index: s.index, params: sample_params(&s.sampling) })
+            .map(|s| BatchRow {
+                slot: s.slot,
+                token: s.token,
+                pos: s.pos,
+                index: s.index,
+                params: sample_params(&s.sampling),
+                mask: s.mask,
+            })
             .collect();
         let key = batch_key(steps);
         let graph = self

@@ -393,6 +393,7 @@ pub fn sample(b: &CudaBackend, logits: &CudaTensor, params: SampleParams, step: 
         token_out: token.ptr,
         pos: 0,
         step: stepb.ptr,
+        mask: 0,
         vocab: logits.cols as i32,
         nblocks: ops::sampling::ARGMAX_BLOCKS as i32,
     };

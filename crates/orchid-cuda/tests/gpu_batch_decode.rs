@@ -4,8 +4,10 @@
 //! decoded alone on the per-span path; (2) through the captured batch graph (`BatchGraph`, a
 //! capture of the same forward pass plus sampling per row) against the eager batched path: the
 //! same greedy tokens, also when sequences leave and the batch moves to a smaller bucket; (3) with
-//! mixed sampling parameters per row: runs are reproducible and the greedy rows are unchanged.
-//! Skipped without a GPU.
+//! mixed sampling parameters per row: runs are reproducible and the greedy rows are unchanged;
+//! (4) with token masks on some rows (a grammar's): greedy rows pick the argmax of their masked
+//! logits, sampled rows never a masked token, and the unmasked rows are unchanged. Skipped
+//! without a GPU.
 
 mod common;
 
@@ -60,13 +62,17 @@ fn eager_greedy(m: &Model<CudaBackend>, prompts: &[Vec<u32>], steps: usize, aliv
     out
 }
 
-/// The same through batch graphs, with per-row sampling parameters `params`.
+/// A row's token mask: `masks(step, row)`, None for none.
+type Masks<'a> = &'a dyn Fn(usize, usize) -> Option<Vec<u32>>;
+
+/// The same through batch graphs, with per-row sampling parameters `params` and masks `masks`.
 fn graph_decode(
     m: &Model<CudaBackend>,
     prompts: &[Vec<u32>],
     steps: usize,
     alive: &dyn Fn(usize) -> usize,
     params: &[SampleParams],
+    masks: Masks,
 ) -> Vec<Vec<u32>> {
     let mut st = m.new_state(StateOptions::new(prompts.len(), 320)).unwrap();
     let (slots, first) = prefill(m, &mut st, prompts);
@@ -80,6 +86,7 @@ fn graph_decode(
             graphs.push(BatchGraph::new(m, &mut st, bucket, greedy).unwrap());
         }
         let g = graphs.iter_mut().find(|g| g.bucket == bucket).unwrap();
+        let ms: Vec<Option<Vec<u32>>> = (0..n).map(|i| masks(k, i)).collect();
         let rows: Vec<BatchRow> = (0..n)
             .map(|i| BatchRow {
                 slot: slots[i],
@@ -87,6 +94,7 @@ fn graph_decode(
                 pos: prompts[i].len() + k,
                 index: k + 1,
                 params: params[i],
+                mask: ms[i].as_deref(),
             })
             .collect();
         for (i, t) in g.step(&mut st, &rows).unwrap().into_iter().enumerate() {
@@ -157,7 +165,7 @@ fn batched_decode_matches_reference_and_graph() {
     let steps = 16;
     let e = eager_greedy(&gpu, &prompts, steps, &alive);
     let greedy = vec![SampleParams::greedy(v); LENS.len()];
-    let gr = graph_decode(&gpu, &prompts, steps, &alive, &greedy);
+    let gr = graph_decode(&gpu, &prompts, steps, &alive, &greedy, &|_, _| None);
     let same = first_mismatch(&e, &gr);
     println!(
         "PARITY {} batch graph vs eager batched decode, greedy, {steps} steps: {}",
@@ -173,14 +181,133 @@ fn batched_decode_matches_reference_and_graph() {
     }
     let all5 = |_k: usize| 5;
     let e5 = eager_greedy(&gpu, &prompts, 8, &all5);
-    let s1 = graph_decode(&gpu, &prompts, 8, &all5, &mixed);
-    let s2 = graph_decode(&gpu, &prompts, 8, &all5, &mixed);
+    let s1 = graph_decode(&gpu, &prompts, 8, &all5, &mixed, &|_, _| None);
+    let s2 = graph_decode(&gpu, &prompts, 8, &all5, &mixed, &|_, _| None);
     let ok = s1 == s2 && [0, 2, 4].iter().all(|&r| s1[r] == e5[r]);
     println!(
         "PARITY {} batch graph with mixed sampling: reproducible {}, greedy rows unchanged {}",
         if ok { "PASS" } else { "FAIL" },
         s1 == s2,
         [0, 2, 4].iter().all(|&r| s1[r] == e5[r])
+    );
+    assert!(ok);
+}
+
+/// Whether `mask` allows token `t`.
+fn allows(mask: &[u32], t: usize) -> bool {
+    mask[t / 32] >> (t % 32) & 1 == 1
+}
+
+/// A mask of `v` tokens allowing those `keep` says yes to.
+fn mask_of(v: usize, mut keep: impl FnMut(usize) -> bool) -> Vec<u32> {
+    let mut w = vec![0u32; v.div_ceil(32)];
+    for t in (0..v).filter(|&t| keep(t)) {
+        w[t / 32] |= 1 << (t % 32);
+    }
+    w
+}
+
+/// `k` distinct random tokens of `v` as a mask, from `seed`.
+fn random_mask(seed: u64, v: usize, k: usize) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    let mut picked = Vec::new();
+    while picked.len() < k {
+        let t = rng.below(v);
+        if !picked.contains(&t) {
+            picked.push(t);
+        }
+    }
+    mask_of(v, |t| picked.contains(&t))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_graph_masks() {
+    let g = gpu();
+    let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2);
+    let host = random_weights(&cfg, Fmt::Mlx, 5);
+    let gpu = Model::new(cfg.clone(), g.clone(), &host).unwrap();
+    drop(host);
+    let v = cfg.vocab_size;
+    let mut rng = Rng::new(78);
+    let prompts: Vec<Vec<u32>> = LENS.iter().map(|&n| (0..n.min(60)).map(|_| rng.below(v) as u32).collect()).collect();
+    let n = prompts.len();
+    let opts = StateOptions::new(n + 1, 320);
+
+    // (a) Greedy: rows 0, 2 and 3 masked (a random tenth of the vocabulary, never the row's own
+    // argmax), against the eager batched forward's logits of the same step.
+    let mut eager = gpu.new_state(opts).unwrap();
+    let (eslots, first) = prefill(&gpu, &mut eager, &prompts);
+    let mut st = gpu.new_state(opts).unwrap();
+    let (slots, _) = prefill(&gpu, &mut st, &prompts);
+    let mut graph = BatchGraph::new(&gpu, &mut st, orchid_cuda::batch_graph::bucket_for(n), true).unwrap();
+    let mut toks = first;
+    let (mut exact, mut ties, mut bad) = (0, 0, Vec::new());
+    for k in 0..6 {
+        let pos: Vec<usize> = prompts.iter().map(|p| p.len() + k).collect();
+        let l = batch_logits(&gpu, &mut eager, &eslots, &pos, &toks);
+        let masks: Vec<Option<Vec<u32>>> = (0..n)
+            .map(|i| {
+                let best = argmax(&l[i * v..(i + 1) * v]) as usize;
+                [0, 2, 3].contains(&i).then(|| mask_of(v, |t| t != best && rng.below(10) == 0))
+            })
+            .collect();
+        let rows: Vec<BatchRow> = (0..n)
+            .map(|i| BatchRow {
+                slot: slots[i],
+                token: toks[i],
+                pos: pos[i],
+                index: k + 1,
+                params: SampleParams::greedy(v),
+                mask: masks[i].as_deref(),
+            })
+            .collect();
+        let got = graph.step(&mut st, &rows).unwrap();
+        for i in 0..n {
+            let row = &l[i * v..(i + 1) * v];
+            let masked: Vec<f32> =
+                (0..v).map(|t| if masks[i].as_ref().is_none_or(|m| allows(m, t)) { row[t] } else { f32::NEG_INFINITY }).collect();
+            let (want, tok) = (argmax(&masked), got[i]);
+            let scale = row.iter().fold(0f32, |a, x| a.max(x.abs()));
+            if want == tok {
+                exact += 1;
+            } else if masked[tok as usize].is_finite() && masked[want as usize] - masked[tok as usize] <= 1e-3 * scale {
+                ties += 1;
+            } else {
+                bad.push((k, i, want, tok));
+            }
+        }
+        toks = got;
+    }
+    println!(
+        "PARITY {} batch graph with token masks, greedy: argmax of the masked logits on {exact} rows, {ties} near-ties, wrong {bad:?}",
+        if bad.is_empty() { "PASS" } else { "FAIL" }
+    );
+    assert!(bad.is_empty());
+
+    // (b) Sampled, 200 steps: rows 0, 2 and 4 allow 5 random tokens (new ones every step), rows 1
+    // and 3 have no mask and must decode as in a run where no row has one.
+    let mut params = vec![SampleParams::greedy(v); n];
+    params[0] = SampleParams { temperature: 1.0, seed: 1, ..SampleParams::greedy(v) };
+    params[1] = SampleParams { temperature: 1.0, seed: 2, ..SampleParams::greedy(v) };
+    params[2] = SampleParams { temperature: 1.0, top_k: 3, top_p: 0.9, seed: 3, ..SampleParams::greedy(v) };
+    params[4] = SampleParams { temperature: 0.7, min_p: 0.1, seed: 4, ..SampleParams::greedy(v) };
+    let masked_rows = [0usize, 2, 4];
+    let mask = |k: usize, i: usize| masked_rows.contains(&i).then(|| random_mask(1000 + 8 * k as u64 + i as u64, v, 5));
+    let steps = 200;
+    let all = |_k: usize| n;
+    let with = graph_decode(&gpu, &prompts, steps, &all, &params, &mask);
+    let without = graph_decode(&gpu, &prompts, steps, &all, &params, &|_, _| None);
+    // Token k + 1 of a row was sampled at step k under mask(k, row).
+    let outside = |out: &[Vec<u32>], i: usize| (0..steps).filter(|&k| !allows(&mask(k, i).unwrap(), out[i][k + 1] as usize)).count();
+    let escaped: Vec<usize> = masked_rows.iter().map(|&i| outside(&with, i)).collect();
+    let unmasked_same = [1, 3].iter().all(|&i| with[i] == without[i]);
+    // Without the masks the same rows mostly pick other tokens (the masks did something).
+    let free_outside: Vec<usize> = masked_rows.iter().map(|&i| outside(&without, i)).collect();
+    let ok = escaped.iter().all(|&e| e == 0) && unmasked_same && free_outside.iter().all(|&e| e > steps / 2);
+    println!(
+        "PARITY {} batch graph with token masks, sampled, {steps} steps: masked tokens drawn {escaped:?}, unmasked rows unchanged {unmasked_same}, tokens outside the masks without them {free_outside:?}",
+        if ok { "PASS" } else { "FAIL" }
     );
     assert!(ok);
 }

@@ -29,7 +29,10 @@
 //! generic engine's greedy tokens exactly); a stop token id and a stop string on the fast path
 //! end the stream exactly where the unconstrained stream had them; seeded sampling
 //! (temperature/top-k/top-p/min-p) on the fast path is reproducible, honours max_tokens and stop
-//! strings, switches parameters on the cached graph, and top_k = 1 is greedy.
+//! strings, switches parameters on the cached graph, and top_k = 1 is greedy. Requests under a
+//! grammar (JSON schema, choice; greedy and sampled; alone and next to a free request) decode
+//! every step on the batch graph with their token masks, and their output is what the grammar
+//! allows (a token it does not allow would end the request with an error).
 //!
 //! Every check prints a `PARITY PASS|FAIL engine ...` line (collected by scripts/gpu-test.sh).
 
@@ -42,6 +45,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use orchid_cuda::{CudaBackend, DecodeGraph, GraphFastDecode, SampleParams};
 use orchid_engine::Tokenizer;
+use orchid_engine::constraint::{GrammarSpec, Grammars};
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
 use orchid_engine::sampling::SamplingParams;
@@ -575,6 +579,53 @@ fn fast_only_checks(e: &EngineHandle, case: &Case, p: &Prompts, on: &[Run], off:
     ok
 }
 
+/// Requests under a grammar on the fast engine (see the module docs).
+fn constrained_checks(e: &EngineHandle, tok: &Arc<Tokenizer>, case: &Case, p: &Prompts) -> bool {
+    let mut ok = true;
+    let name = |s: &str| format!("engine {} constrained {s}", case.name);
+    let eos = tok.token_id("<|im_end|>").expect("an end-of-turn token");
+    let grammars = Grammars::new(tok.clone(), &[eos]).expect("grammars for the tokenizer");
+    let constrained = |spec: &GrammarSpec, max_tokens, sampling| {
+        let mut r = request(&p.p130, max_tokens, sampling);
+        r.constraint = Some(grammars.compile(spec).expect("the grammar compiles"));
+        r
+    };
+    let json_ok = |o: &Outcome| {
+        o.error.is_none()
+            && o.finish == Some(FinishReason::Stop)
+            && serde_json::from_str::<serde_json::Value>(&o.text).is_ok_and(|v| v["name"].is_string() && v["n"].is_i64())
+    };
+    let schema = GrammarSpec::JsonSchema(serde_json::json!({"type": "object",
+        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}));
+    let sampled = SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(5), ..Default::default() };
+    for (what, sampling) in [("greedy", SamplingParams::default()), ("sampled (t 1, top-p 0.95)", sampled)] {
+        let (o, fast) = solo(e, constrained(&schema, 64, sampling));
+        ok &= check(
+            name(&format!("JSON schema, {what}, alone")),
+            json_ok(&o) && fast + 1 == o.tokens.len(),
+            format!("{} tokens, {fast} fast steps, finish {:?}, error {:?}, text {:?}", o.tokens.len(), o.finish, o.error, o.text),
+        );
+    }
+    let choices: Vec<String> = ["red", "green", "blue"].iter().map(|s| s.to_string()).collect();
+    let (o, fast) = solo(e, constrained(&GrammarSpec::Choice(choices.clone()), 16, SamplingParams::default()));
+    ok &= check(
+        name("choice, greedy, alone"),
+        o.error.is_none() && choices.contains(&o.text) && fast + 1 == o.tokens.len(),
+        format!("{} tokens, {fast} fast steps, error {:?}, text {:?}", o.tokens.len(), o.error, o.text),
+    );
+    // Next to a free request: both decode every step on the batch graph.
+    let before = fast_steps(e);
+    let (rc, rf) = (e.submit(constrained(&schema, 64, SamplingParams::default())).unwrap(), e.submit(greedy(&p.b, 48)).unwrap());
+    let (c, f) = (collect(rc), collect(rf));
+    let fast = fast_steps(e) - before;
+    ok &= check(
+        name("JSON schema next to a free request"),
+        json_ok(&c) && f.error.is_none() && f.tokens.len() == 48 && fast + 2 == c.tokens.len() + f.tokens.len(),
+        format!("{} + {} tokens, {fast} fast steps, constrained text {:?}, error {:?}", c.tokens.len(), f.tokens.len(), c.text, c.error),
+    );
+    ok
+}
+
 fn run_case(g: &CudaBackend, tok: &Arc<Tokenizer>, case: &Case) -> bool {
     let valid = tok.vocab_size().min(case.cfg.vocab_size);
     let p = Prompts::new(valid);
@@ -601,6 +652,7 @@ fn run_case(g: &CudaBackend, tok: &Arc<Tokenizer>, case: &Case) -> bool {
     );
     println!("engine {}: scenario {t_off:.2}s with the fast path off, {t_on:.2}s on ({total_fast} fast steps)", case.name);
     ok &= fast_only_checks(&on_engine, case, &p, &on, &off, valid);
+    ok &= constrained_checks(&on_engine, tok, case, &p);
     on_engine.shutdown(false);
     for (a, b) in on.iter().zip(&off) {
         ok &= compare(g, case, a, b, valid);

@@ -27,6 +27,7 @@
 //! JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: one space after `:` and `,`, no other
 //! whitespace), so a model cannot wander off into endless whitespace inside an object.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
@@ -238,17 +239,19 @@ impl Constraint {
         Ok(())
     }
 
-    /// Sets the logits of every token the grammar does not allow next to -inf; `remaining`:
-    /// tokens left in the request's budget of `budget` tokens, this one included (see the
-    /// module docs: the steering covers at most the second half of the budget). Errors when
-    /// the grammar allows nothing (a broken grammar state).
-    pub fn apply(&mut self, logits: &mut [f32], remaining: usize, budget: usize) -> Result<(), String> {
+    /// The tokens allowed next: the grammar's mask, narrowed to the end tiers in the last tokens
+    /// of the budget (see the module docs; `remaining`: tokens left in the request's budget of
+    /// `budget` tokens, this one included). `None` while the constraint waits for its start
+    /// token (every token is allowed). Errors when none of the first `valid` tokens (those the
+    /// model may produce) is allowed: a broken grammar state.
+    pub fn allowed(&mut self, remaining: usize, budget: usize, valid: usize) -> Result<Option<Cow<'_, SimpleVob>>, String> {
         if !self.active() {
-            return Ok(());
+            return Ok(None);
         }
         self.prepare()?;
         let mask = self.mask.as_ref().expect("prepared above");
         let reserve = if self.tags_first { CLOSING_RESERVE_TAGS } else { CLOSING_RESERVE };
+        let mut allowed = Cow::Borrowed(mask);
         if remaining <= reserve.min(budget / 2) {
             let [ends, closers, commas, tags] = &*self.closers;
             let tiers = if self.tags_first { [ends, tags, closers, commas] } else { [ends, closers, commas, ends] };
@@ -256,12 +259,38 @@ impl Constraint {
                 let mut m = mask.clone();
                 m.and(pick);
                 if !m.is_zero() {
-                    apply_mask(&m, logits);
-                    return Ok(());
+                    allowed = Cow::Owned(m);
+                    break;
                 }
             }
         }
-        apply_mask(mask, logits);
+        let words = allowed.as_slice();
+        let any = (0..valid.div_ceil(32)).any(|w| words.get(w).copied().unwrap_or(0) & low_bits(valid - 32 * w) != 0);
+        if !any {
+            return Err("the grammar allows no token here".into());
+        }
+        Ok(Some(allowed))
+    }
+
+    /// [`allowed`](Self::allowed) as `vocab.div_ceil(32)` words for a device sampler: bit `i % 32`
+    /// of word `i / 32` set when token `i` is allowed; tokens from `valid` on are not.
+    pub fn mask_words(&mut self, remaining: usize, budget: usize, valid: usize, vocab: usize) -> Result<Option<Vec<u32>>, String> {
+        let Some(m) = self.allowed(remaining, budget, valid)? else { return Ok(None) };
+        let src = m.as_slice();
+        let n = valid.min(vocab);
+        let mut words = vec![0u32; vocab.div_ceil(32)];
+        for (w, x) in words.iter_mut().enumerate().take(n.div_ceil(32)) {
+            *x = src.get(w).copied().unwrap_or(0) & low_bits(n - 32 * w);
+        }
+        Ok(Some(words))
+    }
+
+    /// Sets the logits of every token the grammar does not allow next to -inf (the mask of
+    /// [`allowed`](Self::allowed), with `valid` the length of `logits`). Errors when that leaves
+    /// no finite logit.
+    pub fn apply(&mut self, logits: &mut [f32], remaining: usize, budget: usize) -> Result<(), String> {
+        let Some(mask) = self.allowed(remaining, budget, logits.len())? else { return Ok(()) };
+        apply_mask(&mask, logits);
         if logits.iter().all(|x| *x == f32::NEG_INFINITY) {
             return Err("the grammar allows no token here".into());
         }
@@ -287,6 +316,11 @@ impl Constraint {
         self.matcher.consume_token(token).map_err(|e| format!("{e}"))?;
         Ok(false)
     }
+}
+
+/// The low `n` bits of a word (all of them from 32 on).
+fn low_bits(n: usize) -> u32 {
+    if n >= 32 { u32::MAX } else { (1u32 << n) - 1 }
 }
 
 /// `logits[i] = -inf` for every `i` the mask does not allow (ids past the mask included).
@@ -414,6 +448,42 @@ mod tests {
             assert!(ended, "{text}");
             serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
         }
+    }
+
+    /// The device mask words allow exactly the tokens `apply` leaves finite, the end tiers
+    /// included; tokens past `valid` are never allowed; an inactive constraint has no mask.
+    #[test]
+    fn mask_words_match_apply() {
+        let tok = qwen();
+        let g = grammars(&tok);
+        let n = tok.vocab_size();
+        let vocab = n + 100;
+        let think_end = tok.markers().think_end.unwrap();
+        let schema = json!({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]});
+        let mut c = g.compile(&GrammarSpec::JsonSchema(schema)).unwrap().starting_after(Some(think_end));
+        assert_eq!(c.mask_words(10, 100, n, vocab).unwrap(), None);
+        c.observe(think_end).unwrap();
+        let prefix = tok.encode("{\"s\": \"abc", false).unwrap();
+        let check = |c: &mut Constraint, remaining: usize, valid: usize| {
+            let words = c.mask_words(remaining, 100, valid, vocab).unwrap().unwrap();
+            assert_eq!(words.len(), vocab.div_ceil(32));
+            let mut l = vec![0.0f32; valid];
+            c.apply(&mut l, remaining, 100).unwrap();
+            let bit = |i: usize| words[i / 32] >> (i % 32) & 1 == 1;
+            assert!((0..valid).all(|i| bit(i) == l[i].is_finite()));
+            assert!((valid..vocab).all(|i| !bit(i)));
+            (0..valid).filter(|&i| bit(i)).count()
+        };
+        let free = check(&mut c, 100, n);
+        for &t in &prefix {
+            c.observe(t).unwrap();
+        }
+        let open = check(&mut c, 100, n);
+        // Inside a string near the end of the budget: only closing tokens.
+        let closing = check(&mut c, 5, n);
+        assert!(closing < open && open > 1000 && free < open, "{free} {open} {closing}");
+        // Fewer valid tokens than the tokenizer's.
+        check(&mut c, 100, n - 5000);
     }
 
     #[test]

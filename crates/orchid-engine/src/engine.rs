@@ -33,12 +33,16 @@
 //! keyed by (seed, token index), not from the host sampler's stream.
 //!
 //! Constrained decoding. A request with a [`Constraint`](crate::constraint::Constraint) (a
-//! grammar) never takes the fast path: its mask is applied to the host logits before the
-//! host sampler runs. The masks for a step are computed on a second thread while the model
-//! runs that step's forward call (each constrained sequence's matcher already knows the token
-//! it is about to be fed), so on a GPU the mask costs no step time; constrained and free
-//! sequences share the batch. (The fast decoder would need a mask buffer its sampler reads,
-//! uploaded each step; see docs/server.md.)
+//! grammar) gets, before each token, the set of tokens its grammar allows (narrowed near the end
+//! of the budget). On the generic path that mask is applied to the host logits before the host
+//! sampler runs; the masks for a step are computed on a second thread while the model runs that
+//! step's forward call (each constrained sequence's matcher already knows the token it is about
+//! to be fed), so the mask costs no step time. On the fast path, when the decoder takes masks
+//! ([`FastDecode::masks`]), a constrained sequence decodes through `step_batch` (alone too, as a
+//! batch of one) with its mask as a bit set the device sampler reads: the masks are computed
+//! before the launch (the sampler at the end of the launch needs them) and uploaded with the
+//! step's inputs. Constrained and free sequences share the batch on either path, and the sampled
+//! token advances the grammar in the one place every path shares (`emit`).
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -482,6 +486,12 @@ impl<S> Seq<S> {
     fn needs_host(&self) -> bool {
         self.forced().is_some() || self.generated.len() < self.req.min_tokens
     }
+    /// The grammar's view of the budget for the next token: (tokens left, this one included;
+    /// the whole budget), see [`Constraint::apply`].
+    fn grammar_budget(&self, max_context: usize) -> (usize, usize) {
+        let budget = self.req.max_tokens.min(max_context - self.prompt.len());
+        (budget.saturating_sub(self.generated.len()), budget)
+    }
     /// The next token from this sequence's logits row.
     fn next_token(&mut self, logits: &[f32], valid: usize) -> u32 {
         if let Some(t) = self.forced() {
@@ -635,7 +645,7 @@ impl<B: Backend> Engine<B> {
             let (cached, save_points) = self.restore_prefix(slot, &req.prompt);
             // After the restore (which takes no free blocks, and may start the slot afresh).
             self.state.promise(slot, need);
-            let fast_ok = device_sampling_ok(&req) && constraint.is_none();
+            let fast_ok = device_sampling_ok(&req);
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
                 slot,
@@ -824,12 +834,11 @@ impl<B: Backend> Engine<B> {
             }
             let s = &mut self.running[i];
             let l = &logits[row * v..(row + 1) * v];
+            let (remaining, budget) = s.grammar_budget(self.max_context);
             let masked = match &mut s.constraint {
                 Some(c) if c.active() => {
                     let mut masked = l[..valid].to_vec();
                     let failed = masks.iter().find(|(j, _)| *j == i || *j == usize::MAX).map(|(_, e)| e.clone());
-                    let budget = s.req.max_tokens.min(self.max_context - s.prompt.len());
-                    let remaining = budget.saturating_sub(s.generated.len());
                     match failed.map_or_else(|| c.apply(&mut masked, remaining, budget), Err) {
                         Ok(()) => Some(masked),
                         Err(e) => {
@@ -854,21 +863,41 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Decodes every decoding sequence through the fast decoder when all of them can (one
-    /// sequence: `FastDecode::step`; several: `step_batch`); false when the generic step has to
-    /// decode them (see the module docs).
+    /// sequence: `FastDecode::step`; several, or any under a grammar: `step_batch`); false when
+    /// the generic step has to decode them (see the module docs).
     fn fast_step(&mut self) -> bool {
         let Some(fast) = self.fast.as_mut() else { return false };
         let rows: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].decoding()).collect();
         if rows.is_empty() || rows.iter().any(|&i| !self.running[i].fast_ok || self.running[i].needs_host()) {
             return false;
         }
-        if rows.len() > 1 && !self.fast_batches {
+        let constrained = rows.iter().any(|&i| self.running[i].constraint.as_ref().is_some_and(|c| c.active()));
+        // Several sequences, or one under a grammar, need the batched step (a lone sequence's
+        // `step` takes no mask).
+        if ((rows.len() > 1 || constrained) && !self.fast_batches) || (constrained && !fast.masks()) {
             return false;
         }
-        let valid = self.tokenizer.vocab_size().min(self.model.config.vocab_size);
+        let vocab = self.model.config.vocab_size;
+        let valid = self.tokenizer.vocab_size().min(vocab);
+        // The grammar masks of this step, before the launch: a mask depends on the token this
+        // step feeds in, known only since the previous step's sampling came back, and the
+        // device sampler reads it at the end of the same launch. (The generic step computes its
+        // masks during the forward call instead: it samples on the host, after it.) A mask that
+        // fails leaves the step to the generic path, which reports the error.
+        let mut masks = Vec::with_capacity(rows.len());
+        for &i in &rows {
+            let s = &mut self.running[i];
+            let (remaining, budget) = s.grammar_budget(self.max_context);
+            match s.constraint.as_mut().map(|c| c.mask_words(remaining, budget, valid, vocab)) {
+                None => masks.push(None),
+                Some(Ok(m)) => masks.push(m),
+                Some(Err(_)) => return false,
+            }
+        }
         let steps: Vec<DecodeStep> = rows
             .iter()
-            .map(|&i| {
+            .zip(&masks)
+            .map(|(&i, mask)| {
                 let s = &self.running[i];
                 let p = &s.req.sampling;
                 DecodeStep {
@@ -884,10 +913,11 @@ impl<B: Backend> Engine<B> {
                         seed: s.device_seed,
                         valid,
                     },
+                    mask: mask.as_deref(),
                 }
             })
             .collect();
-        let ran = if let [step] = steps.as_slice() {
+        let ran = if let [step @ DecodeStep { mask: None, .. }] = steps.as_slice() {
             if let Err(e) = fast.prepare(&self.model, &mut self.state, step.slot, &step.sampling) {
                 tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
                 self.fast = None;

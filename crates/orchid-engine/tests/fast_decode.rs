@@ -3,7 +3,8 @@
 //! steps of a lone decoding sequence (input token = last generated token, position and index
 //! consistent), run everything else (prefill, several sequences, penalties, logprobs) on the
 //! generic path, fall back when `prepare` fails or the option is off, and produce the same
-//! greedy text either way. The real fast decoder (the CUDA graph) is tested on the GPU by
+//! greedy text either way. A decoder that takes token masks gets the steps of sequences under a
+//! grammar through `step_batch` with their masks. The real fast decoder (the CUDA graph) is tested on the GPU by
 //! crates/orchid-cuda/tests/gpu_engine.rs.
 
 use std::path::PathBuf;
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 use orchid_cpu::CpuBackend;
 use orchid_engine::Tokenizer;
+use orchid_engine::constraint::{GrammarSpec, Grammars};
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
 use orchid_engine::sampling::{Sampler, SamplingParams, argmax};
@@ -24,9 +26,17 @@ fn model_dir() -> PathBuf {
 #[derive(Default)]
 struct Log {
     prepared: Vec<(usize, DeviceSampling)>,
-    steps: Vec<DecodeStep>,
-    /// Sizes of the batched steps.
+    /// The steps run (their masks dropped).
+    steps: Vec<DecodeStep<'static>>,
+    /// Sizes of the batched steps ...
     batches: Vec<usize>,
+    /// ... and how many of their rows had a mask.
+    masked: Vec<usize>,
+}
+
+/// A step as logged: without its mask.
+fn logged(s: &DecodeStep) -> DecodeStep<'static> {
+    DecodeStep { mask: None, ..*s }
 }
 
 struct Mock {
@@ -34,11 +44,19 @@ struct Mock {
     fail_prepare: bool,
     /// Whether it takes batches (`prepare_batch` succeeds).
     batch: bool,
+    /// Whether it takes token masks (`FastDecode::masks`).
+    masks: bool,
 }
 
-/// A stand-in for a device sampler: greedy, or a generator keyed by (seed, index).
+/// A stand-in for a device sampler: greedy, or a generator keyed by (seed, index); a token the
+/// step's mask does not allow reads as -inf.
 fn mock_sample(l: &[f32], step: &DecodeStep) -> u32 {
     let d = &step.sampling;
+    if let Some(m) = step.mask {
+        assert_eq!(m.len(), l.len().div_ceil(32), "a mask for the model's vocabulary");
+    }
+    let l: Vec<f32> = l.iter().enumerate().map(|(i, &x)| if step.allows(i) { x } else { f32::NEG_INFINITY }).collect();
+    let l = l.as_slice();
     if d.is_greedy() {
         return argmax(&l[..d.valid.min(l.len())]) as u32;
     }
@@ -73,7 +91,8 @@ impl FastDecode<CpuBackend> for Mock {
     }
 
     fn step(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, step: &DecodeStep) -> Result<u32> {
-        self.log.lock().unwrap().steps.push(*step);
+        assert!(step.mask.is_none(), "a mask for the single-sequence step");
+        self.log.lock().unwrap().steps.push(logged(step));
         let l = m.forward(&[step.token], &BatchLayout::single(step.slot, step.pos, 1), s, LogitRows::LastOfEachSpan)?;
         let l = m.backend.to_host(&l)?;
         Ok(mock_sample(&l, step))
@@ -83,15 +102,21 @@ impl FastDecode<CpuBackend> for Mock {
         if !self.batch {
             return Err(Error::Backend("the mock decodes one at a time".into()));
         }
-        assert!(steps.len() > 1);
+        assert!(steps.len() > 1 || steps[0].mask.is_some(), "a batch of one without a mask");
+        assert!(self.masks || steps.iter().all(|s| s.mask.is_none()), "a mask for a decoder that takes none");
         Ok(())
+    }
+
+    fn masks(&self) -> bool {
+        self.masks
     }
 
     fn step_batch(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, steps: &[DecodeStep]) -> Result<Vec<u32>> {
         assert!(self.batch, "step_batch without a successful prepare_batch");
         let mut log = self.log.lock().unwrap();
-        log.steps.extend_from_slice(steps);
+        log.steps.extend(steps.iter().map(logged));
         log.batches.push(steps.len());
+        log.masked.push(steps.iter().filter(|s| s.mask.is_some()).count());
         drop(log);
         let ids: Vec<u32> = steps.iter().map(|s| s.token).collect();
         let batch = BatchLayout { spans: steps.iter().map(|s| SeqSpan { slot: s.slot, start: s.pos, len: 1 }).collect() };
@@ -102,10 +127,16 @@ impl FastDecode<CpuBackend> for Mock {
 }
 
 fn start(fast: Option<bool>, fail_prepare: bool, enabled: bool) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
-    start_with(fast, fail_prepare, enabled, false)
+    start_with(fast, fail_prepare, enabled, false, false)
 }
 
-fn start_with(fast: Option<bool>, fail_prepare: bool, enabled: bool, batch: bool) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
+fn start_with(
+    fast: Option<bool>,
+    fail_prepare: bool,
+    enabled: bool,
+    batch: bool,
+    masks: bool,
+) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
     let dir = model_dir();
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let log = Arc::new(Mutex::new(Log::default()));
@@ -124,7 +155,7 @@ fn start_with(fast: Option<bool>, fail_prepare: bool, enabled: bool, batch: bool
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;
         let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> =
-            fast.map(|_| Box::new(Mock { log: log2, fail_prepare, batch }) as Box<dyn FastDecode<CpuBackend>>);
+            fast.map(|_| Box::new(Mock { log: log2, fail_prepare, batch, masks }) as Box<dyn FastDecode<CpuBackend>>);
         Ok(LoadedModel { model, fast_decode })
     });
     e.wait_ready().unwrap();
@@ -342,7 +373,7 @@ fn forced_banned_and_biased_tokens_stay_on_the_host() {
 #[test]
 fn several_sequences_decode_as_one_batch() {
     let (plain, _, tok) = start(None, false, true);
-    let (fast, log, _) = start_with(Some(true), false, true, true);
+    let (fast, log, _) = start_with(Some(true), false, true, true, false);
     let reqs: Vec<GenerateRequest> = PROMPTS.iter().enumerate().map(|(i, p)| req(&tok, p, 12 + 6 * i)).collect();
     let solo: Vec<Out> = reqs.iter().map(|r| collect(plain.submit(r.clone()).unwrap())).collect();
     let rx: Vec<_> = reqs.iter().map(|r| fast.submit(r.clone()).unwrap()).collect();
@@ -368,4 +399,76 @@ fn several_sequences_decode_as_one_batch() {
     assert!(log.lock().unwrap().batches.len() > before);
     plain.shutdown(false);
     fast.shutdown(false);
+}
+
+/// A request under a grammar decodes on the fast batch path with its mask: alone (a batch of
+/// one) and next to a free request, producing the generic path's greedy tokens, the end-of-budget
+/// steering included; a sampled one only ever draws allowed tokens (a disallowed one fails the
+/// request). A decoder that takes no masks leaves it to the generic path.
+#[test]
+fn constrained_requests_decode_on_the_batch_path() {
+    let (plain, _, tok) = start(None, false, true);
+    let (fast, log, _) = start_with(Some(true), false, true, true, true);
+    let (nomask, log_nomask, _) = start_with(Some(true), false, true, true, false);
+    let eos = tok.token_id("<|im_end|>").unwrap();
+    let g = Grammars::new(tok.clone(), &[eos]).unwrap();
+    let schema = serde_json::json!({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"]});
+    let constrained = |prompt: &str, spec: &GrammarSpec, max_tokens: usize| {
+        let mut r = req(&tok, prompt, max_tokens);
+        r.constraint = Some(g.compile(spec).unwrap());
+        r
+    };
+    let specs = [
+        GrammarSpec::JsonSchema(schema),
+        GrammarSpec::Regex("[a-z]+( [a-z]+){3,6}\\.".into()),
+        GrammarSpec::Choice(vec!["yes, certainly".into(), "no, never".into()]),
+    ];
+    let steps_now = |log: &Arc<Mutex<Log>>| log.lock().unwrap().steps.len();
+    let counter = |e: &EngineHandle| e.stats().fast_decode_steps.load(std::sync::atomic::Ordering::SeqCst);
+    for spec in &specs {
+        // Alone: every token after the first (sampled from the prefill logits) is a masked batch of one.
+        let r = constrained(PROMPTS[1], spec, 40);
+        let a = collect(plain.submit(r.clone()).unwrap());
+        let (before, batches) = (steps_now(&log), log.lock().unwrap().batches.len());
+        let b = collect(fast.submit(r.clone()).unwrap());
+        assert_eq!(a, b, "{spec:?}: the masked fast path changed the greedy output");
+        if !matches!(spec, GrammarSpec::Regex(_)) {
+            assert_eq!(a.finish, Some(FinishReason::Stop), "{spec:?}: {a:?}");
+        }
+        let l = log.lock().unwrap();
+        assert_eq!(l.steps.len() - before, b.tokens.len() - 1, "{spec:?}");
+        assert!(l.batches[batches..].iter().zip(&l.masked[batches..]).all(|(&n, &m)| n == 1 && m == 1), "{spec:?}");
+        assert_eq!(counter(&fast), l.steps.len());
+        drop(l);
+        // Next to a free request: one batch, the masked row and the free one.
+        let free = req(&tok, PROMPTS[0], 30);
+        let solo = collect(plain.submit(free.clone()).unwrap());
+        let batches = log.lock().unwrap().batches.len();
+        let (x, y) = (fast.submit(r.clone()).unwrap(), fast.submit(free.clone()).unwrap());
+        assert_eq!((collect(x), collect(y)), (a.clone(), solo));
+        let l = log.lock().unwrap();
+        assert!(l.batches[batches..].iter().zip(&l.masked[batches..]).any(|(&n, &m)| n == 2 && m == 1), "{spec:?}: {:?}", l.batches);
+        drop(l);
+        // A decoder without masks: the constrained request stays on the generic path.
+        let before = steps_now(&log_nomask);
+        assert_eq!(collect(nomask.submit(r.clone()).unwrap()), a);
+        assert_eq!(steps_now(&log_nomask), before, "{spec:?}: a constrained step went to a decoder without masks");
+        // Sampled: whatever it draws, the grammar allows (else the request would fail).
+        let mut s = r.clone();
+        s.sampling = SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(3), ..Default::default() };
+        let before = steps_now(&log);
+        let o = collect(fast.submit(s).unwrap());
+        assert!(steps_now(&log) > before, "{spec:?}");
+        if let (GrammarSpec::JsonSchema(_), Some(FinishReason::Stop)) = (spec, o.finish) {
+            serde_json::from_str::<serde_json::Value>(&o.text).unwrap_or_else(|e| panic!("{e}: {}", o.text));
+        }
+    }
+    // A tight budget: the end-of-budget steering picks the same tokens on both paths.
+    let r = constrained(PROMPTS[2], &specs[0], 12);
+    let a = collect(plain.submit(r.clone()).unwrap());
+    assert_eq!(collect(fast.submit(r).unwrap()), a);
+    for e in [plain, fast, nomask] {
+        e.shutdown(false);
+    }
 }

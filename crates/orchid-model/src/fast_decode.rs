@@ -40,7 +40,7 @@ impl DeviceSampling {
 
 /// One decode step of one sequence.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DecodeStep {
+pub struct DecodeStep<'a> {
     /// The sequence's state slot.
     pub slot: usize,
     /// The input token (the last generated one) ...
@@ -51,6 +51,19 @@ pub struct DecodeStep {
     /// first token after the prompt); the counter of the seeded device generator.
     pub index: usize,
     pub sampling: DeviceSampling,
+    /// The tokens this step may pick (a grammar's mask), `vocab.div_ceil(32)` words for the
+    /// model's vocabulary: token `i` is allowed when bit `i % 32` of word `i / 32` is set. The
+    /// sampler treats every other token as a logit of -inf before any of its filters (greedy
+    /// picks the best allowed token; top-k, top-p and min-p see only allowed ones). Only given
+    /// to `step_batch` of a decoder whose [`FastDecode::masks`] says so.
+    pub mask: Option<&'a [u32]>,
+}
+
+impl DecodeStep<'_> {
+    /// Whether `mask` allows `token` (no mask: every token).
+    pub fn allows(&self, token: usize) -> bool {
+        self.mask.is_none_or(|m| m.get(token / 32).is_some_and(|w| w >> (token % 32) & 1 == 1))
+    }
 }
 
 /// A backend's fast single-sequence decoder (see the module docs). Implementations keep
@@ -74,8 +87,16 @@ pub trait FastDecode<B: Backend> {
     /// After an error the sequence's state is undefined (the engine ends the request).
     fn step(&mut self, model: &Model<B>, state: &mut B::State, step: &DecodeStep) -> Result<u32>;
 
+    /// Whether `step_batch` honours [`DecodeStep::mask`] (then the engine runs a sequence under
+    /// a grammar through `step_batch`, alone as a batch of one if need be; `step` never gets a
+    /// mask). The default: no, such sequences take the generic path.
+    fn masks(&self) -> bool {
+        false
+    }
+
     /// Gets ready to decode the sequences of `steps` together with `step_batch` (e.g. captures
-    /// a graph for a batch of that size) without changing their states. An error means batched
+    /// a graph for a batch of that size) without changing their states. `steps` holds one step
+    /// or more (one: a masked step of a decoder that takes masks). An error means batched
     /// fast decoding cannot be used (the default: the decoder does one sequence at a time); the
     /// engine logs it once and runs batches through the generic path.
     fn prepare_batch(&mut self, model: &Model<B>, state: &mut B::State, steps: &[DecodeStep]) -> Result<()> {
@@ -84,8 +105,9 @@ pub trait FastDecode<B: Backend> {
     }
 
     /// One decode step of several sequences at once (distinct slots; each step as in `step`,
-    /// after a `prepare_batch` of the same steps): returns the sampled tokens in order. Like `step`, any interleaving
-    /// with `Model::forward` and `step` on the same state is allowed; after an error the
-    /// sequences' states are undefined.
+    /// after a `prepare_batch` of the same steps, masks aside: they may change from step to
+    /// step): returns the sampled tokens in order. Like `step`, any interleaving with
+    /// `Model::forward` and `step` on the same state is allowed; after an error the sequences'
+    /// states are undefined.
     fn step_batch(&mut self, model: &Model<B>, state: &mut B::State, steps: &[DecodeStep]) -> Result<Vec<u32>>;
 }

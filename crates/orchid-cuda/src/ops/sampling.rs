@@ -1,4 +1,5 @@
-//! Sampling launchers (greedy argmax over many blocks; the general sampler in one block).
+//! Sampling launchers (greedy argmax over many blocks; the general sampler in one block), with an
+//! optional token mask per row (a grammar's: a masked-out token counts as a logit of -inf).
 
 use orchid_model::error::Result;
 
@@ -18,7 +19,8 @@ crate::kernel_abi! {
         top_k: i32,
         seed: u64,
         valid: i32,
-        pad: i32,
+        /// Non-zero: the row's token mask (`SampleArgs::mask`) applies.
+        masked: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct SampleArgs {
@@ -31,6 +33,9 @@ crate::kernel_abi! {
         token_out: u64,
         pos: u64,
         step: u64,
+        /// u32 [vocab.div_ceil(32)] per row, bit i % 32 of word i / 32 set when token i is
+        /// allowed; read when the row's `SampleParams::masked` says so (0: no masks).
+        mask: u64,
         vocab: i32,
         nblocks: i32,
     }
@@ -57,7 +62,7 @@ pub fn general(c: &Ctx, a: &SampleArgs) -> Result<()> {
 }
 
 /// `argmax` / `general` of each row of [rows, vocab] logits (`SampleArgs` of row 0; the
-/// parameters, partials, counters, tokens and step counters of the rows follow each other).
+/// parameters, partials, counters, tokens, step counters and masks of the rows follow each other).
 pub fn rows(c: &Ctx, a: &SampleArgs, rows: usize, greedy: bool) -> Result<()> {
     if greedy {
         c.k("sample_argmax_rows").launch(&c.gpu, (ARGMAX_BLOCKS as u32, rows as u32, 1), 256, 0, a)
@@ -71,6 +76,6 @@ mod tests {
     #[test]
     fn sizes() {
         assert_eq!(std::mem::size_of::<super::SampleParams>(), 32);
-        assert_eq!(std::mem::size_of::<super::SampleArgs>(), 64);
+        assert_eq!(std::mem::size_of::<super::SampleArgs>(), 72);
     }
 }

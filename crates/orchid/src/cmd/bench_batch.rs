@@ -45,7 +45,7 @@ pub fn batch_decode(
         let mut rows: Vec<BatchRow> = slots
             .iter()
             .zip(&first)
-            .map(|(&slot, &token)| BatchRow { slot, token, pos: context, index: 1, params: SampleParams::greedy(v) })
+            .map(|(&slot, &token)| BatchRow { slot, token, pos: context, index: 1, params: SampleParams::greedy(v), mask: None })
             .collect();
         let mut run = |k: usize, rows: &mut Vec<BatchRow>| -> Result<f64> {
             gpu.synchronize()?;
