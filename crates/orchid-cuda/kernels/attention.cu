@@ -204,7 +204,13 @@ DEVI void load_kv_tile(__nv_bfloat16* Ks, __nv_bfloat16* Vs, const AttnArgs& a, 
 
 // Prefill: a block handles 64 query rows (4 warps x 16) of one KV head against all earlier keys,
 // with K/V tiles shared by the 4 warps and double-buffered. grid = (ceil(T*G/64), Hkv).
-template <int D, int TK>
+//
+// SPLIT (split-KV, for few query tiles over a long context): grid.z = a.nsplit, and block z
+// takes its own share z of the key tiles its rows need (tiles [z·n/nsplit, (z+1)·n/nsplit) of
+// its n), writing the unnormalised output and the softmax state (m in log2 units, l) of each
+// row to the partials, [Hkv][nsplit][T·G] rows; attn_prefill_combine merges them. A share with
+// no tile writes m = -inf, l = 0 only (the combine reads no output of it).
+template <int D, int TK, bool SPLIT = false>
 DEVI void attn_prefill_body(const AttnArgs& a) {
     constexpr int ST = D + 8;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -214,6 +220,24 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
     const int kvh = blockIdx.y, G = a.G, D_ = D;
     const int row_base = blockIdx.x * 64;
     const int nrows = a.T * G;
+    int t_begin = 0, t_end = 0;  // SPLIT: this block's share of its key tiles
+    if constexpr (SPLIT) {
+        pdl_enter();
+        const int z = blockIdx.z;
+        const int n = (a.start + (min(nrows, row_base + 64) - 1) / G + TK) / TK;
+        t_begin = (int)((i64)n * z / a.nsplit);
+        t_end = (int)((i64)n * (z + 1) / a.nsplit);
+        if (t_begin >= t_end) {
+            const i64 pbase = ((i64)kvh * a.nsplit + z) * nrows;
+            for (int r = threadIdx.x; r < 64; r += 128) {
+                if (row_base + r < nrows) {
+                    ((float*)a.part_ml)[(pbase + row_base + r) * 2] = NEG_INF;
+                    ((float*)a.part_ml)[(pbase + row_base + r) * 2 + 1] = 0.f;
+                }
+            }
+            return;
+        }
+    }
     // Q rows -> shared memory.
     for (int c = threadIdx.x; c < 64 * (D / 8); c += 128) {
         int r = c / (D / 8), ch = c % (D / 8);
@@ -226,7 +250,8 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
     const int last_row = min(nrows, row_base + 64) - 1;
     const int nkeys = a.start + last_row / G + 1;
     const int ntiles = (nkeys + TK - 1) / TK;
-    load_kv_tile<D, TK>(KV, KV + TK * ST, a, kvh, 0, nkeys, threadIdx.x, 128);
+    if constexpr (!SPLIT) t_end = ntiles;
+    load_kv_tile<D, TK>(KV, KV + TK * ST, a, kvh, t_begin * TK, nkeys, threadIdx.x, 128);
     cp_async_commit();
 
     const int R0 = row_base + warp * 16 + g, R1 = R0 + 8;
@@ -240,9 +265,9 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-    for (int ti = 0; ti < ntiles; ++ti) {
-        const int st = ti & 1;
-        if (ti + 1 < ntiles) {
+    for (int ti = t_begin; ti < t_end; ++ti) {
+        const int st = (ti - t_begin) & 1;
+        if (ti + 1 < t_end) {
             __nv_bfloat16* nb = KV + (st ^ 1) * 2 * TK * ST;
             load_kv_tile<D, TK>(nb, nb + TK * ST, a, kvh, (ti + 1) * TK, nkeys, threadIdx.x, 128);
         }
@@ -265,6 +290,23 @@ DEVI void attn_prefill_body(const AttnArgs& a) {
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    if constexpr (SPLIT) {
+        // The partials of this share: output as accumulated, (m, l) per row.
+        const i64 pbase = ((i64)kvh * a.nsplit + blockIdx.z) * nrows;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int R = r ? R1 : R0;
+            if (R >= nrows) continue;
+            float* prow = (float*)a.part_o + (pbase + R) * D;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) *(float2*)(prow + dt * 8 + 2 * t4) = make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
+            if (t4 == 0) {
+                ((float*)a.part_ml)[(pbase + R) * 2] = m[r];
+                ((float*)a.part_ml)[(pbase + R) * 2 + 1] = l[r];
+            }
+        }
+        return;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -409,18 +451,17 @@ DEVI void attn_decode_body(const AttnArgs& a, const PrepArgs& p, const int z, co
     }
 }
 
-// Merges the decode partials of all splits, normalises, applies the output gate.
-// grid = Hq, block = 256. out [Hq*D] f32 (one token); gate: q_gate row (head h at h*2D + D).
-DEVI void attn_combine_body(const AttnArgs& a, const int D) {
+// Merges the partial softmax states of n ≤ 256 splits of one query row, in split order: split s
+// has its maximum m (log2 units) and sum l at ml(s) and ml(s) + 1, element d of its unnormalised
+// output at po(s, d) (not read where m = -inf). Normalises and hands each element d to
+// store(d, v), which gates and stores it. One block.
+template <class MlAt, class OAt, class Store>
+DEVI void merge_splits(const MlAt& ml, const OAt& po, const Store& store, const int n, const int D) {
     __shared__ float wts[256];
     __shared__ float red[32];
-    const int h = blockIdx.x, G = a.G, kvh = h / G, hg = h % G, z = hg / 16, row = hg % 16;
-    const int nz = (G + 15) / 16;
-    const float* ml = (const float*)a.part_ml;
-    const i64 base = ((i64)kvh * nz + z) * a.nsplit;
     const int s = threadIdx.x;
-    float m = s < a.nsplit ? ml[((base + s) * 16 + row) * 2] : NEG_INF;
-    float l = s < a.nsplit ? ml[((base + s) * 16 + row) * 2 + 1] : 0.f;
+    float m = s < n ? *ml(s) : NEG_INF;
+    float l = s < n ? *(ml(s) + 1) : 0.f;
     const float M = block_max(m, red);
     const float w = m == NEG_INF ? 0.f : exp2f(m - M);
     const float L = block_sum(w * l, red);
@@ -428,30 +469,59 @@ DEVI void attn_combine_body(const AttnArgs& a, const int D) {
     __syncthreads();
     const float inv = L > 0.f ? 1.f / L : 0.f;
     // Batches of CB splits: all their loads in flight together (empty splits, weight 0, are not
-    // read: their partials were not written this step).
+    // read: their partials were not written).
     constexpr int CB = 16;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0.f;
-        for (int sp0 = 0; sp0 < a.nsplit; sp0 += CB) {
+        for (int sp0 = 0; sp0 < n; sp0 += CB) {
             float v[CB];
 #pragma unroll
             for (int i = 0; i < CB; ++i) {
                 const int sp = sp0 + i;
-                v[i] = (sp < a.nsplit && wts[sp] != 0.f) ? __ldcg((const float*)a.part_o + ((base + sp) * 16 + row) * D + d) : 0.f;
+                v[i] = (sp < n && wts[sp] != 0.f) ? __ldcg(po(sp, d)) : 0.f;
             }
 #pragma unroll
             for (int i = 0; i < CB; ++i)
-                if (sp0 + i < a.nsplit) acc += wts[sp0 + i] * v[i];
+                if (sp0 + i < n) acc += wts[sp0 + i] * v[i];
         }
-        float v = acc * inv;
-        if (a.gate) v *= sigmoidf_(((const float*)a.gate)[h * 2 * D + D + d]);
-        ((float*)a.out)[h * D + d] = v;
+        store(d, acc * inv);
     }
+}
+
+// Merges the decode partials of all splits, normalises, applies the output gate.
+// grid = Hq, block = 256. out [Hq*D] f32 (one token); gate: q_gate row (head h at h*2D + D).
+DEVI void attn_combine_body(const AttnArgs& a, const int D) {
+    const int h = blockIdx.x, G = a.G, kvh = h / G, hg = h % G, z = hg / 16, row = hg % 16;
+    const int nz = (G + 15) / 16;
+    const float* ml = (const float*)a.part_ml;
+    const i64 base = ((i64)kvh * nz + z) * a.nsplit;
+    merge_splits([&](int s) { return ml + ((base + s) * 16 + row) * 2; },
+                 [&](int sp, int d) { return (const float*)a.part_o + ((base + sp) * 16 + row) * D + d; },
+                 [&](int d, float v) {
+                     if (a.gate) v *= sigmoidf_(((const float*)a.gate)[h * 2 * D + D + d]);
+                     ((float*)a.out)[h * D + d] = v;
+                 },
+                 a.nsplit, D);
 }
 
 extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnArgs a, int D) {
     pdl_enter();
     attn_combine_body(a, D);
+}
+
+// Merges the split-KV prefill partials (attn_prefill_body<SPLIT>): grid = (T*G, Hkv), block =
+// 256; row R = tq*G + hg of KV head blockIdx.y, output and gate as in the prefill kernel.
+extern "C" __global__ void __launch_bounds__(256) attn_prefill_combine(const AttnArgs a, int D) {
+    pdl_enter();
+    const int R = blockIdx.x, kvh = blockIdx.y, G = a.G, nrows = a.T * G;
+    const int tq = R / G, head = kvh * G + R % G;
+    const float* ml = (const float*)a.part_ml;
+    const i64 base = (i64)kvh * a.nsplit;  // partial (kvh, s) of row R: (base + s) * nrows + R
+    const float* gate = a.gate ? (const float*)a.gate + (i64)tq * a.ldg + head * 2 * D + D : nullptr;
+    float* out = (float*)a.out + ((i64)tq * a.Hq + head) * D;
+    merge_splits([&](int s) { return ml + ((base + s) * nrows + R) * 2; },
+                 [&](int sp, int d) { return (const float*)a.part_o + ((base + sp) * nrows + R) * D + d; },
+                 [&](int d, float v) { out[d] = gate ? v * sigmoidf_(gate[d]) : v; }, a.nsplit, D);
 }
 
 // Decode of one token of each of several sequences. Row r is the sequence in state slot
@@ -496,6 +566,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_rows(const AttnAr
 #define ATTN_KERNELS(D, TKP, TKD)                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_d##D(const AttnArgs a) {              \
         attn_prefill_body<D, TKP>(a);                                                                    \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_split_d##D(const AttnArgs a) {        \
+        attn_prefill_body<D, TKP, true>(a);                                                              \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_d##D(const AttnArgs a, const PrepArgs p) { \
         attn_decode_body<D, TKD>(a, p, blockIdx.z, gridDim.z);                                           \

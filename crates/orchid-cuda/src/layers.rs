@@ -103,6 +103,16 @@ pub fn attention(
             a.part_ml = part_ml.ptr;
             at::decode(c, &a, d, &p)?;
         } else {
+            // Few query tiles over a long context: split-KV (partials merged by a second kernel).
+            let nsplit = at::prefill_splits(span.len, g, hkv, span.start, b.gpu().sms as usize, c.tuning.attn_prefill_splits);
+            let _parts = if nsplit > 1 {
+                let (no, nml) = at::prefill_parts(span.len, g, hkv, d, nsplit);
+                let bufs = (DevBuf::alloc(b.gpu(), no * 4)?, DevBuf::alloc(b.gpu(), nml * 4)?);
+                (a.nsplit, a.part_o, a.part_ml) = (nsplit as i32, bufs.0.ptr, bufs.1.ptr);
+                Some(bufs)
+            } else {
+                None
+            };
             at::prefill(c, &a, d)?;
         }
         state.slot_mut(span.slot)?.attn_len[layer] += span.len;

@@ -92,6 +92,12 @@ impl CudaBackend {
         Ok(CudaBackend { ctx: Arc::new(ctx), rope: Arc::new(Mutex::new(HashMap::new())), device_batch: Arc::default() })
     }
 
+    /// A backend on the same GPU, stream and kernels with other launch shapes (A/B comparisons in
+    /// one process: its tensors and states are interchangeable with this one's).
+    pub fn with_tuning(&self, tuning: &Tuning) -> Result<CudaBackend> {
+        Ok(CudaBackend { ctx: Arc::new(self.ctx.with_tuning(tuning)?), rope: self.rope.clone(), device_batch: Arc::default() })
+    }
+
     /// The device inputs of the batched decode step being captured, if one is.
     pub fn device_batch(&self) -> Option<DeviceBatch> {
         *self.device_batch.lock().unwrap()

@@ -50,6 +50,9 @@ pub struct Tuning {
     pub attn_splits: usize,
     /// Key tiles per split at least in the graph's decode attention (short contexts: fewer splits).
     pub attn_min_tiles: usize,
+    /// Most key splits of a prefill attention (split-KV, for spans of few query tiles over a long
+    /// context, `ops::attention::prefill_splits`; 1: never split; at most `MAX_SPLITS`).
+    pub attn_prefill_splits: usize,
     /// Most tokens an op-level MoE block runs through the per-token expert kernels (each token
     /// reads its own experts); larger batches take the grouped GEMM (each expert read once).
     pub moe_rows_max: usize,
@@ -73,6 +76,7 @@ impl Default for Tuning {
             router_kparts: 8,
             attn_splits: 64,
             attn_min_tiles: 8,
+            attn_prefill_splits: 64,
             moe_rows_max: 8,
             gemv_rows_max: 8,
             gdn_rows_kernel: 16,
@@ -90,6 +94,7 @@ impl Tuning {
             router_kparts: self.router_kparts.clamp(1, crate::ops::gemv::ROUTER_KPARTS),
             attn_splits: self.attn_splits.clamp(1, crate::ops::attention::MAX_SPLITS),
             attn_min_tiles: self.attn_min_tiles.min(4096),
+            attn_prefill_splits: self.attn_prefill_splits.clamp(1, crate::ops::attention::MAX_SPLITS),
             moe_rows_max: self.moe_rows_max.min(4096),
             gemv_rows_max: self.gemv_rows_max.min(4096),
             gdn_rows_kernel: self.gdn_rows_kernel.min(4096),
@@ -112,6 +117,7 @@ mod tests {
             router_kparts: 0,
             attn_splits: 1 << 20,
             attn_min_tiles: 1 << 20,
+            attn_prefill_splits: 1 << 20,
             moe_rows_max: 0,
             gemv_rows_max: 0,
             gdn_rows_kernel: 1 << 20,
@@ -124,5 +130,7 @@ mod tests {
         assert_eq!(c.gemm_kparts_max, 1);
         let many = Tuning { gemm_kparts_max: 1000, ..Tuning::default() }.clamped();
         assert_eq!(many.gemm_kparts_max, crate::ops::gemm::GEMM_KPARTS_MAX);
+        assert_eq!(c.attn_prefill_splits, crate::ops::attention::MAX_SPLITS);
+        assert_eq!(Tuning { attn_prefill_splits: 0, ..t }.clamped().attn_prefill_splits, 1);
     }
 }

@@ -269,6 +269,102 @@ fn attention_prefill_and_decode() {
     }
 }
 
+/// Appends `t` tokens' keys (normalised, rotated) and values to a CPU state's cache the way the
+/// CPU attention does, without computing their attention (the reference of a long cache).
+fn cpu_append_kv(st: &mut orchid_cpu::CpuState, slot: usize, dims: &orchid_model::config::AttentionDims, kn: &[f32], k: &[f32], v: &[f32]) {
+    use orchid_cpu::attention::{apply_rope, rope_cos_sin};
+    let (hkv, d) = (dims.num_kv_heads, dims.head_dim);
+    let cache = &mut st.slot(slot).kv[0];
+    let t = k.len() / (hkv * d);
+    let mut tmp = vec![0f32; d];
+    for p in 0..t {
+        let (cos, sin) = rope_cos_sin(dims, cache.len + p);
+        for j in 0..hkv {
+            orchid_cpu::elementwise::rms_norm_into(&k[(p * hkv + j) * d..(p * hkv + j + 1) * d], kn, 1e-6, &mut tmp);
+            apply_rope(&mut tmp[..dims.rotary_dim], &cos, &sin);
+            cache.k.extend_from_slice(&tmp);
+        }
+        cache.v.extend_from_slice(&v[p * hkv * d..(p + 1) * hkv * d]);
+    }
+    cache.len += t;
+}
+
+/// Split-KV prefill (few query tiles over a long cache): against the CPU, against the plain
+/// kernel (`attn_prefill_splits` = 1, same inputs in another slot) and against itself (bitwise).
+/// Cases: (Hq, Hkv, D, gate, cached prefix, spans); a prefix goes into the CPU cache directly
+/// (its f32 attention would take minutes); spans from position 0 are checked in full (there the
+/// first query tiles have fewer key tiles than splits: empty splits, rows with no key in a split).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+#[allow(clippy::type_complexity)]
+fn attention_prefill_split_kv() {
+    let g = gpu();
+    let plain = g.with_tuning(&orchid_cuda::Tuning { attn_prefill_splits: 1, ..Default::default() }).unwrap();
+    let c = CpuBackend::new();
+    let mut rng = Rng::new(8);
+    let sms = g.gpu().sms as usize;
+    let max = g.ctx.tuning.attn_prefill_splits;
+    let cases: [(usize, usize, usize, bool, usize, &[usize]); 6] = [
+        (16, 2, 256, true, 3000, &[2, 37, 100]),
+        (8, 2, 256, true, 9000, &[37, 100]),
+        (6, 2, 128, true, 5000, &[2, 37, 100]),
+        (4, 1, 128, false, 7000, &[100]),
+        (2, 2, 256, true, 0, &[2100, 2, 37]),
+        (2, 2, 128, true, 0, &[2100, 100]),
+    ];
+    for &(hq, hkv, d, gate, prefix, spans) in &cases {
+        let (mut cfg, _) = attn_states(hq, hkv, d);
+        cfg.attention.output_gate = gate;
+        let dims = cfg.attention.clone();
+        let total = prefix + spans.iter().sum::<usize>();
+        let opts = StateOptions::new(3, total.next_multiple_of(64));
+        let qn = rng.vec(d, 0.2).iter().map(|x| 1.0 + x).collect::<Vec<_>>();
+        let kn = rng.vec(d, 0.2).iter().map(|x| 1.0 + x).collect::<Vec<_>>();
+        let (cqn, ckn) = (c.upload_vector(&qn).unwrap(), c.upload_vector(&kn).unwrap());
+        let (gqn, gkn) = (g.upload_vector(&qn).unwrap(), g.upload_vector(&kn).unwrap());
+        let mut cs = c.new_state(&cfg, opts).unwrap();
+        let mut gs = g.new_state(&cfg, opts).unwrap();
+        let sc = cs.alloc().unwrap();
+        // Slots: split-KV, plain kernel, split-KV again.
+        let slots = [gs.alloc().unwrap(), gs.alloc().unwrap(), gs.alloc().unwrap()];
+        let qw = dims.q_proj_rows();
+        let mut pos = 0;
+        for (i, &t) in std::iter::once(&prefix).chain(spans).enumerate() {
+            if t == 0 {
+                continue;
+            }
+            let (q, k, v) = (rng.vec(t * qw, 1.0), rng.vec(t * hkv * d, 1.0), rng.vec(t * hkv * d, 1.0));
+            let (gq, gk, gv) = (up(&g, t, qw, &q), up(&g, t, hkv * d, &k), up(&g, t, hkv * d, &v));
+            let gi = || AttentionInputs::<CudaBackend> { q_gate: &gq, k: &gk, v: &gv, q_norm: &gqn, k_norm: &gkn };
+            let mut outs = Vec::new();
+            for (j, &slot) in slots.iter().enumerate() {
+                let be = if j == 1 { &plain } else { &g };
+                outs.push(host(&g, &be.attention(gi(), &dims, 1e-6, 0, &BatchLayout::single(slot, pos, t), &mut gs).unwrap()));
+            }
+            let nsplit = orchid_cuda::ops::attention::prefill_splits(t, hq / hkv, hkv, pos, sms, max);
+            let name = format!("attention split-KV Hq={hq} Hkv={hkv} D={d} gate={gate} pos={pos} T={t} nsplit={nsplit}");
+            let same = outs[0].iter().zip(&outs[2]).all(|(a, b)| a.to_bits() == b.to_bits());
+            println!("PARITY {} {name}: bitwise reproducible", if same { "PASS" } else { "FAIL" });
+            assert!(same, "{name}: two runs differ");
+            if i == 0 {
+                // The cached prefix: the CPU only stores its keys and values.
+                cpu_append_kv(&mut cs, sc, &dims, &kn, &k, &v);
+                report(&format!("{name} vs plain kernel"), rel_l2(&outs[0], &outs[1]), 5e-3);
+            } else {
+                assert!(nsplit > 1, "{name}: the case does not take the split-KV path on {sms} SMs");
+                let (cq, ck, cv) = (CpuTensor::from_vec(t, qw, q), CpuTensor::from_vec(t, hkv * d, k), CpuTensor::from_vec(t, hkv * d, v));
+                let ci = AttentionInputs::<CpuBackend> { q_gate: &cq, k: &ck, v: &cv, q_norm: &cqn, k_norm: &ckn };
+                let co = c.attention(ci, &dims, 1e-6, 0, &BatchLayout::single(sc, pos, t), &mut cs).unwrap();
+                report(&format!("{name} (plain kernel: rel_err {:.3e})", rel_l2(&outs[1], &co.data)), rel_l2(&outs[0], &co.data), 1.5e-2);
+                // bf16 probabilities scaled by each split's own maximum instead of the running one:
+                // ~2e-3 apart, as far as either is from the f32 reference.
+                report(&format!("{name} vs plain kernel"), rel_l2(&outs[0], &outs[1]), 5e-3);
+            }
+            pos += t;
+        }
+    }
+}
+
 struct GdnCase {
     hk: usize,
     hv: usize,

@@ -1,4 +1,5 @@
-//! Attention launchers: q/k norm + RoPE + cache append, flash prefill, split-K decode + combine.
+//! Attention launchers: q/k norm + RoPE + cache append, flash prefill (split-KV + combine for few
+//! query tiles over a long context), split-K decode + combine.
 
 use orchid_model::error::{Error, Result};
 
@@ -99,6 +100,29 @@ pub fn decode_splits(n: usize, hkv: usize, sms: usize) -> usize {
     want.min(n.div_ceil(256)).clamp(1, MAX_SPLITS)
 }
 
+/// Least keys per split of a split-KV prefill.
+pub const PREFILL_SPLIT_KEYS: usize = 1024;
+
+/// Key splits of the prefill attention of `t` queries at positions `start..start + t` (G query
+/// heads per KV head): more than one only when its blocks (query tiles × Hkv) fill less than
+/// the `sms` SMs, then about two blocks per SM, at least `PREFILL_SPLIT_KEYS` keys each, at most
+/// `max` (and `MAX_SPLITS`). With one split the prefill runs the plain kernel.
+pub fn prefill_splits(t: usize, g: usize, hkv: usize, start: usize, sms: usize, max: usize) -> usize {
+    let blocks = (t * g).div_ceil(64) * hkv;
+    // Only a span far short of one wave (a few query tiles over a long cache): a server's
+    // 512-token chunks (about one wave for the 35B) keep the single pass.
+    if blocks == 0 || 2 * blocks > sms {
+        return 1;
+    }
+    (2 * sms / blocks).min((start + t) / PREFILL_SPLIT_KEYS).min(max).clamp(1, MAX_SPLITS)
+}
+
+/// Floats of a split-KV prefill's partials (output, then max and sum): `nsplit` per query row.
+pub fn prefill_parts(t: usize, g: usize, hkv: usize, d: usize, nsplit: usize) -> (usize, usize) {
+    let rows = t * g * hkv * nsplit;
+    (rows * d, rows * 2)
+}
+
 pub fn check_head_dim(d: usize) -> Result<()> {
     if SUPPORTED_HEAD_DIMS.contains(&d) {
         Ok(())
@@ -112,10 +136,22 @@ pub fn prep(c: &Ctx, a: &PrepArgs) -> Result<()> {
     c.k("attn_prep").launch(&c.gpu, (a.t as u32, heads.div_ceil(4) as u32, 1), 128, 0, a)
 }
 
+/// Flash prefill of a span. With `a.nsplit` > 1 (`prefill_splits`), split-KV: each block takes
+/// one share of its key tiles and writes partials to `a.part_o` / `a.part_ml` (`prefill_parts`),
+/// which `attn_prefill_combine` merges in split order, normalises and gates.
 pub fn prefill(c: &Ctx, a: &AttnArgs, d: usize) -> Result<()> {
     let rows = (a.t * a.g) as usize;
-    let name = format!("attn_prefill_d{d}");
-    c.k(&name).launch(&c.gpu, (rows.div_ceil(64) as u32, a.hkv as u32, 1), 128, prefill_smem(d) as u32, a)
+    if a.nsplit <= 1 {
+        let name = format!("attn_prefill_d{d}");
+        return c.k(&name).launch(&c.gpu, (rows.div_ceil(64) as u32, a.hkv as u32, 1), 128, prefill_smem(d) as u32, a);
+    }
+    if a.nsplit as usize > MAX_SPLITS || a.part_o == 0 || a.part_ml == 0 {
+        return Err(Error::Op { op: "attention prefill", msg: format!("{} splits (at most {MAX_SPLITS}, with partials)", a.nsplit) });
+    }
+    let grid = (rows.div_ceil(64) as u32, a.hkv as u32, a.nsplit as u32);
+    c.k(&format!("attn_prefill_split_d{d}")).launch(&c.gpu, grid, 128, prefill_smem(d) as u32, a)?;
+    let d32 = d as i32;
+    c.k("attn_prefill_combine").launch_raw(&c.gpu, (rows as u32, a.hkv as u32, 1), 256, 0, super::params!(*a, d32))
 }
 
 /// Split-K decode of one token, then the combine. The decode kernel also does attn_prep's work
@@ -164,5 +200,36 @@ mod tests {
         }
         assert_eq!(decode_splits(10, 2, 132), 1);
         assert_eq!(decode_splits(131072, 2, 132), 64);
+    }
+
+    #[test]
+    fn prefill_split_rule() {
+        // Qwen3.6-35B-A3B (16 query heads, 2 KV heads) on 132 SMs.
+        let (g, hkv, sms) = (8, 2, 132);
+        // The next turn of a 32K conversation: 100 queries = 13 tiles x 2 = 26 blocks -> 10
+        // splits (260 blocks, one wave of two per SM), ~3,200 keys each.
+        assert_eq!(prefill_splits(100, g, hkv, 32_000, sms, 64), 10);
+        assert_eq!(prefill_splits(100, g, hkv, 32_000, sms, 4), 4);
+        assert_eq!(prefill_splits(100, g, hkv, 32_000, sms, 1), 1);
+        // Two queries: limited by MAX_SPLITS, then by the keys (1,024 per split at least).
+        assert_eq!(prefill_splits(2, g, hkv, 131_072, sms, 64), MAX_SPLITS);
+        assert_eq!(prefill_splits(2, g, hkv, 9_000, sms, 64), 8);
+        // A short context: too few keys to split.
+        assert_eq!(prefill_splits(100, g, hkv, 1_900, sms, 64), 1);
+        assert_eq!(prefill_splits(37, g, hkv, 2_011, sms, 64), 2);
+        // Prompts from the start, or spans whose blocks fill the SMs: the plain kernel.
+        assert_eq!(prefill_splits(4096, g, hkv, 0, sms, 64), 1);
+        assert_eq!(prefill_splits(600, g, hkv, 0, sms, 64), 1);
+        assert_eq!(prefill_splits(528, g, hkv, 31_744, sms, 64), 1);
+        // A 512-token chunk at 32K: 128 blocks on 132 SMs, about one wave: the single pass.
+        assert_eq!(prefill_splits(512, g, hkv, 31_744, sms, 64), 1);
+        assert_eq!(prefill_splits(256, g, hkv, 31_744, sms, 64), 2);
+        assert_eq!(prefill_splits(0, g, hkv, 32_000, sms, 64), 1);
+        assert_eq!(prefill_parts(100, 8, 2, 256, 10), (100 * 8 * 2 * 10 * 256, 100 * 8 * 2 * 10 * 2));
+        // The partials stay small: below two blocks per SM of 64 rows at the most.
+        for t in 2..600 {
+            let n = prefill_splits(t, g, hkv, 1 << 20, sms, 64);
+            assert!((t * g).div_ceil(64) * hkv * n <= 2 * sms, "t {t}: {n} splits");
+        }
     }
 }

@@ -65,6 +65,18 @@ impl Ctx {
         Ok(Ctx { gpu, tuning: opts.tuning.clamped(), pdl, route_counter, kernels })
     }
 
+    /// The same GPU and kernels with other launch shapes (clamped).
+    pub fn with_tuning(&self, tuning: &Tuning) -> Result<Ctx> {
+        self.gpu.bind()?;
+        Ok(Ctx {
+            gpu: self.gpu.clone(),
+            tuning: tuning.clamped(),
+            pdl: self.pdl,
+            route_counter: DevBuf::zeros(&self.gpu, 4)?,
+            kernels: self.kernels.clone(),
+        })
+    }
+
     pub fn k(&self, name: &str) -> Kernel {
         *self.kernels.get(name).unwrap_or_else(|| panic!("kernel {name} is not loaded"))
     }

@@ -8,8 +8,9 @@
 //! - `ORCHID_CUDA_HOME`, `CUDA_HOME`, `CUDA_PATH`: CUDA toolkit folders (NVRTC, headers), tried
 //!   before `/usr/local/cuda`; `ORCHID_CUDA_INCLUDE`: header folders (a path list).
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
-//!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES, MOE_ROWS_MAX, GEMV_ROWS_MAX,
-//!   GDN_ROWS, GEMM_KPARTS_MAX: 1 turns split-K GEMMs off).
+//!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES, ATTN_PREFILL_SPLITS (1: no
+//!   split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS, GEMM_KPARTS_MAX (1: no split-K
+//!   GEMMs)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -55,6 +56,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 router_kparts: tune("ROUTER_KPARTS", t.router_kparts),
                 attn_splits: tune("ATTN_SPLITS", t.attn_splits),
                 attn_min_tiles: tune("ATTN_MIN_TILES", t.attn_min_tiles),
+                attn_prefill_splits: tune("ATTN_PREFILL_SPLITS", t.attn_prefill_splits),
                 moe_rows_max: tune("MOE_ROWS_MAX", t.moe_rows_max),
                 gemv_rows_max: tune("GEMV_ROWS_MAX", t.gemv_rows_max),
                 gdn_rows_kernel: tune("GDN_ROWS", t.gdn_rows_kernel),
