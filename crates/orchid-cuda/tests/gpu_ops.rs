@@ -217,6 +217,21 @@ fn gemm_pair_split_k() {
 }
 
 /// One attention layer's state pools on both backends.
+/// Random q/k/v, z, b and a of `t` tokens for a GDN layer, on the CPU and on the GPU.
+fn gdn_step_inputs(g: &CudaBackend, rng: &mut Rng, t: usize, cdim: usize, vdim: usize, hv: usize) -> ([CpuTensor; 4], [CudaTensor; 4]) {
+    let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * vdim, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));
+    let gt = [up(g, t, cdim, &qkv), up(g, t, vdim, &z), up(g, t, hv, &b), up(g, t, hv, &a)];
+    let ct =
+        [CpuTensor::from_vec(t, cdim, qkv), CpuTensor::from_vec(t, vdim, z), CpuTensor::from_vec(t, hv, b), CpuTensor::from_vec(t, hv, a)];
+    (ct, gt)
+}
+
+/// A GDN layer's inputs from `gdn_step_inputs`' tensors and the layer's vectors (conv weight,
+/// A_log, dt_bias, norm weight).
+fn gdn_inputs<'a, B: Backend>(x: &'a [B::Tensor; 4], v: &'a [B::Vector]) -> DeltaNetInputs<'a, B> {
+    DeltaNetInputs { qkv: &x[0], z: &x[1], b: &x[2], a: &x[3], conv: &v[0], a_log: &v[1], dt_bias: &v[2], norm: &v[3] }
+}
+
 fn attn_states(hq: usize, hkv: usize, d: usize) -> (orchid_model::config::ModelConfig, StateOptions) {
     let cfg = config(64, 64, 1, (hq, hkv, d), (1, 1, 32, 32), (4, 2, 64, 0), 1);
     (cfg, StateOptions::new(2, 8192))
@@ -412,34 +427,9 @@ fn deltanet_chunked_and_decode() {
             let (sc, sg) = (cst.alloc().unwrap(), gst.alloc().unwrap());
             let mut pos = 0;
             for &t in sched {
-                let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * hv * dv, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));
-                let ct = [
-                    CpuTensor::from_vec(t, cdim, qkv.clone()),
-                    CpuTensor::from_vec(t, hv * dv, z.clone()),
-                    CpuTensor::from_vec(t, hv, b.clone()),
-                    CpuTensor::from_vec(t, hv, a.clone()),
-                ];
-                let gt = [up(&g, t, cdim, &qkv), up(&g, t, hv * dv, &z), up(&g, t, hv, &b), up(&g, t, hv, &a)];
-                let ci = DeltaNetInputs::<CpuBackend> {
-                    qkv: &ct[0],
-                    z: &ct[1],
-                    b: &ct[2],
-                    a: &ct[3],
-                    conv: &cv[0],
-                    a_log: &cv[1],
-                    dt_bias: &cv[2],
-                    norm: &cv[3],
-                };
-                let gi = DeltaNetInputs::<CudaBackend> {
-                    qkv: &gt[0],
-                    z: &gt[1],
-                    b: &gt[2],
-                    a: &gt[3],
-                    conv: &gv[0],
-                    a_log: &gv[1],
-                    dt_bias: &gv[2],
-                    norm: &gv[3],
-                };
+                let (ct, gt) = gdn_step_inputs(&g, &mut rng, t, cdim, hv * dv, hv);
+                let ci = gdn_inputs::<CpuBackend>(&ct, &cv);
+                let gi = gdn_inputs::<CudaBackend>(&gt, &gv);
                 let co = c.deltanet(ci, &dims, 1e-6, 0, &BatchLayout::single(sc, pos, t), &mut cst).unwrap();
                 let go = g.deltanet(gi, &dims, 1e-6, 0, &BatchLayout::single(sg, pos, t), &mut gst).unwrap();
                 report(
@@ -636,34 +626,9 @@ fn deltanet_decode_rows_vs_cpu() {
         let mut step =
             |spans: &[(usize, usize, usize, usize)], what: &str, cst: &mut orchid_cpu::CpuState, gst: &mut orchid_cuda::CudaState| {
                 let t: usize = spans.iter().map(|s| s.3).sum();
-                let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * hv * dv, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));
-                let ct = [
-                    CpuTensor::from_vec(t, cdim, qkv.clone()),
-                    CpuTensor::from_vec(t, hv * dv, z.clone()),
-                    CpuTensor::from_vec(t, hv, b.clone()),
-                    CpuTensor::from_vec(t, hv, a.clone()),
-                ];
-                let gt = [up(&g, t, cdim, &qkv), up(&g, t, hv * dv, &z), up(&g, t, hv, &b), up(&g, t, hv, &a)];
-                let ci = DeltaNetInputs::<CpuBackend> {
-                    qkv: &ct[0],
-                    z: &ct[1],
-                    b: &ct[2],
-                    a: &ct[3],
-                    conv: &cv[0],
-                    a_log: &cv[1],
-                    dt_bias: &cv[2],
-                    norm: &cv[3],
-                };
-                let gi = DeltaNetInputs::<CudaBackend> {
-                    qkv: &gt[0],
-                    z: &gt[1],
-                    b: &gt[2],
-                    a: &gt[3],
-                    conv: &gv[0],
-                    a_log: &gv[1],
-                    dt_bias: &gv[2],
-                    norm: &gv[3],
-                };
+                let (ct, gt) = gdn_step_inputs(&g, &mut rng, t, cdim, hv * dv, hv);
+                let ci = gdn_inputs::<CpuBackend>(&ct, &cv);
+                let gi = gdn_inputs::<CudaBackend>(&gt, &gv);
                 let cb = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.2, len: s.3 }).collect() };
                 let gb = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.1, start: s.2, len: s.3 }).collect() };
                 let co = c.deltanet(ci, &dims, 1e-6, 0, &cb, cst).unwrap();
