@@ -223,7 +223,7 @@ mod tests {
         assert_eq!(prefill_splits(528, g, hkv, 31_744, sms, 64), 1);
         // A 512-token chunk at 32K: 128 blocks on 132 SMs, about one wave: the single pass.
         assert_eq!(prefill_splits(512, g, hkv, 31_744, sms, 64), 1);
-        assert_eq!(prefill_splits(256, g, hkv, 31_744, sms, 64), 2);
+        assert_eq!(prefill_splits(256, g, hkv, 31_744, sms, 64), 4);
         assert_eq!(prefill_splits(0, g, hkv, 32_000, sms, 64), 1);
         assert_eq!(prefill_parts(100, 8, 2, 256, 10), (100 * 8 * 2 * 10 * 256, 100 * 8 * 2 * 10 * 2));
         // The partials stay small: below two blocks per SM of 64 rows at the most.
