@@ -109,9 +109,9 @@ pub const PREFILL_SPLIT_KEYS: usize = 1024;
 /// `max` (and `MAX_SPLITS`). With one split the prefill runs the plain kernel.
 pub fn prefill_splits(t: usize, g: usize, hkv: usize, start: usize, sms: usize, max: usize) -> usize {
     let blocks = (t * g).div_ceil(64) * hkv;
-    // Only a span far short of one wave (a few query tiles over a long cache): a server's
-    // 512-token chunks (about one wave for the 35B) keep the single pass.
-    if blocks == 0 || 2 * blocks > sms {
+    // Only a span short of one block per SM: two blocks of the plain kernel fit on an SM, so
+    // such a span leaves SMs idle and the rest half occupied.
+    if blocks == 0 || blocks >= sms {
         return 1;
     }
     (2 * sms / blocks).min((start + t) / PREFILL_SPLIT_KEYS).min(max).clamp(1, MAX_SPLITS)
@@ -221,8 +221,10 @@ mod tests {
         assert_eq!(prefill_splits(4096, g, hkv, 0, sms, 64), 1);
         assert_eq!(prefill_splits(600, g, hkv, 0, sms, 64), 1);
         assert_eq!(prefill_splits(528, g, hkv, 31_744, sms, 64), 1);
-        // A 512-token chunk at 32K: 128 blocks on 132 SMs, about one wave: the single pass.
-        assert_eq!(prefill_splits(512, g, hkv, 31_744, sms, 64), 1);
+        // A 512-token chunk at 32K: 128 blocks on 132 SMs, one per SM: two splits fill both.
+        assert_eq!(prefill_splits(512, g, hkv, 31_744, sms, 64), 2);
+        // A chat turn of 330 tokens over 10K: 84 blocks -> 3 splits.
+        assert_eq!(prefill_splits(330, g, hkv, 10_000, sms, 64), 3);
         assert_eq!(prefill_splits(256, g, hkv, 31_744, sms, 64), 4);
         assert_eq!(prefill_splits(0, g, hkv, 32_000, sms, 64), 1);
         assert_eq!(prefill_parts(100, 8, 2, 256, 10), (100 * 8 * 2 * 10 * 256, 100 * 8 * 2 * 10 * 2));
