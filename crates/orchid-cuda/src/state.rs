@@ -532,15 +532,15 @@ impl StatePool for CudaState {
         Ok(budget)
     }
 
+    /// A snapshot whose length is not a multiple of the block size holds its partial last
+    /// block too: the engine takes those only of a sequence that has ended, so nothing writes
+    /// that block afterwards, and `restore` copies it before a new sequence writes into it.
     fn save(&mut self, slot: usize, len: usize) -> Result<CudaSnapshot> {
-        if !len.is_multiple_of(KV_BLOCK) {
-            return Err(Error::Backend(format!("a snapshot is taken at a multiple of {KV_BLOCK} positions, not {len}")));
-        }
         let s = self.slot(slot)?;
         if s.attn_len.iter().any(|&l| l != len) {
             return Err(Error::Backend(format!("snapshot of {len} tokens asked for, the cache holds {:?}", s.attn_len)));
         }
-        let blocks = s.blocks[..len / KV_BLOCK].to_vec();
+        let blocks = s.blocks[..len.div_ceil(KV_BLOCK)].to_vec();
         let (conv_bytes, rec_bytes) = self.gdn_bytes();
         self.gpu.bind()?;
         let gdn = DevBuf::alloc(&self.gpu, conv_bytes + rec_bytes)?;
@@ -560,14 +560,33 @@ impl StatePool for CudaState {
         self.gpu.bind()?;
         copy_d2d(&self.gpu, self.conv.ptr + (slot * conv_bytes) as u64, snap.gdn.ptr, conv_bytes)?;
         copy_d2d(&self.gpu, self.rec.ptr + (slot * rec_bytes) as u64, snap.gdn.ptr + conv_bytes as u64, rec_bytes)?;
-        if !snap.blocks.is_empty() {
-            self.tables.upload(slot * self.max_blocks_per_seq * 4, bytemuck::cast_slice(&snap.blocks))?;
+        let mut blocks = snap.blocks.clone();
+        // A partial last block is the sequence's to write into: copy it into one of its own.
+        if !snap.len.is_multiple_of(KV_BLOCK)
+            && let Some(last) = blocks.last_mut()
+        {
+            if self.free_blocks.len() <= self.outstanding(Some(slot)) {
+                return Err(Error::Backend("KV cache is full: no block to copy a cached partial block into".into()));
+            }
+            let own = self.free_blocks.pop().expect("checked above");
+            let bytes = self.kv_heads * KV_BLOCK * self.head_dim * 2;
+            let (to, from) = ((own as usize * bytes) as u64, (*last as usize * bytes) as u64);
+            let copied =
+                self.kpool.iter().chain(&self.vpool).try_for_each(|pool| copy_d2d(&self.gpu, pool.ptr + to, pool.ptr + from, bytes));
+            if let Err(e) = copied {
+                self.free_blocks.push(own);
+                return Err(e);
+            }
+            *last = own;
         }
-        for &b in &snap.blocks {
+        if !blocks.is_empty() {
+            self.tables.upload(slot * self.max_blocks_per_seq * 4, bytemuck::cast_slice(&blocks))?;
+        }
+        for &b in &blocks {
             self.refs[b as usize] += 1;
         }
         let s = self.slot_mut(slot)?;
-        s.blocks = snap.blocks.clone();
+        s.blocks = blocks;
         s.attn_len.iter_mut().for_each(|l| *l = snap.len);
         Ok(())
     }

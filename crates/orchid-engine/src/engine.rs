@@ -9,13 +9,13 @@
 //! is running.
 //!
 //! Prefix cache (`prefix_cache`, on by default). A request whose prompt starts with a cached
-//! block-aligned prefix gets that prefix's saved state copied into its slot and prefills only
+//! prefix gets that prefix's saved state copied into its slot and prefills only
 //! the rest. Prefill spans are split at snapshot points (multiples of 64 tokens, never leaving
 //! a one-token span), which changes nothing on the CPU backend: with a prefill chunk that is a
 //! multiple of 64, greedy output is bit-identical with the cache on and off. Snapshots are taken
 //! at the end of the shared part of a prompt, every few thousand tokens, at the prompt's last
-//! block boundary, and at the last block boundary a generation reached (kept when it finishes,
-//! for the conversation's next turn). See docs/prefix-cache.md.
+//! block boundary, at the last block boundary a generation reached, and where a finished
+//! generation ended (the one kept, for the conversation's next turn). See docs/prefix-cache.md.
 //!
 //! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`:
 //! captured decode graphs with sampling on the GPU). When every decoding sequence can be served
@@ -448,6 +448,9 @@ struct Seq<S> {
     /// The snapshot at the last block boundary this sequence's generation reached, for the
     /// cache when it finishes: (tokens covered, snapshot).
     pending: Option<(usize, S)>,
+    /// The request finished (not failed): its state is whole, and the cache keeps where its
+    /// generation ended.
+    finished: bool,
     generated: Vec<u32>,
     sampler: Sampler,
     detok: Detokenizer,
@@ -643,7 +646,8 @@ impl<B: Backend> Engine<B> {
             let req_thinking = req.thinking.is_some();
             let constraint = req.constraint.take();
             let (cached, save_points) = self.restore_prefix(slot, &req.prompt);
-            // After the restore (which takes no free blocks, and may start the slot afresh).
+            // After the restore (which takes at most one free block, the copy of a partial last block,
+            // and may start the slot afresh).
             self.state.promise(slot, need);
             let fast_ok = device_sampling_ok(&req);
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
@@ -654,6 +658,7 @@ impl<B: Backend> Engine<B> {
                 cached,
                 save_points,
                 pending: None,
+                finished: false,
                 generated: Vec::new(),
                 sampler: Sampler::new(req.sampling.clone(), &req.prompt).with_bias(req.logit_bias.clone()),
                 detok: Detokenizer::with_context(self.tokenizer.clone(), req.skip_special_tokens, &req.prompt),
@@ -734,6 +739,28 @@ impl<B: Backend> Engine<B> {
         }
         match self.state.save(slot, len) {
             Ok(snap) => self.running[i].pending = Some((len, snap)),
+            Err(e) => tracing::warn!("prefix cache: snapshot at {len} tokens failed ({e})"),
+        }
+    }
+
+    /// When a generation finished past its last block boundary: its state where it ended
+    /// replaces the snapshot at that boundary, so that a next turn that continues the
+    /// conversation prefills only its new tokens. (A request of one token ends where its prompt
+    /// does, which the prompt's own snapshot covers.)
+    fn save_generation_end(&mut self, s: &mut Seq<Snapshot<B>>) {
+        if self.cache.is_none() || !s.finished || !s.decoding() || s.generated.len() < 2 {
+            return;
+        }
+        let len = s.position();
+        if len.is_multiple_of(prefix_cache::BLOCK) {
+            return;
+        }
+        match self.state.save(s.slot, len) {
+            Ok(snap) => {
+                if let Some((_, old)) = s.pending.replace((len, snap)) {
+                    self.state.release(old);
+                }
+            }
             Err(e) => tracing::warn!("prefix cache: snapshot at {len} tokens failed ({e})"),
         }
     }
@@ -969,6 +996,7 @@ impl<B: Backend> Engine<B> {
             if !s.ended && s.tx.is_closed() {
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
             }
+            self.save_generation_end(&mut s);
             if let Some((len, snap)) = s.pending.take() {
                 match self.cache.as_mut() {
                     Some(c) => c.insert(&mut self.state, &s.tokens(len), snap),
@@ -1040,6 +1068,7 @@ fn emit<S>(s: &mut Seq<S>, tok: u32, lp: Option<crate::sampling::TokenLogprob>, 
         };
         let _ = s.tx.send(Event::Finished { reason, text, usage, stop_reason });
         s.ended = true;
+        s.finished = true;
         false
     };
     // The text before a matched stop string, plus the stop string when the request keeps it.

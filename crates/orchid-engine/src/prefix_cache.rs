@@ -10,6 +10,11 @@
 //! copies (CPU) or references (CUDA KV blocks) what it needs, so evicting an entry never takes
 //! anything from a running sequence.
 //!
+//! A finished generation is also saved where it ended, mid-block (a *partial* entry, keyed by
+//! hash(key of its full blocks, the rest of its tokens)), so that the next turn of a
+//! conversation prefills only its new message. Such an entry is found through the key of its
+//! full blocks ([`PrefixCache::lookup`]).
+//!
 //! The cache also remembers which block keys it has seen in earlier prompts (without their
 //! states): a new prompt that shares a prefix with an earlier one saves a snapshot where the
 //! shared part ends, so the next request with that prefix (a shared system prompt) hits it.
@@ -50,6 +55,8 @@ pub fn block_keys(tokens: &[u32]) -> Vec<u64> {
 
 struct Entry<S> {
     tokens: Vec<u32>,
+    /// For a partial entry: the key of its full blocks (0: none).
+    parent: Option<u64>,
     snap: S,
     bytes: usize,
     last_used: u64,
@@ -66,6 +73,8 @@ pub struct CacheCounts {
 pub struct PrefixCache<P: StatePool> {
     budget: usize,
     entries: HashMap<u64, Entry<P::Snapshot>>,
+    /// The partial entries' keys, by the key of their full blocks.
+    partials: HashMap<u64, Vec<u64>>,
     seen: HashMap<u64, ()>,
     bytes: usize,
     tick: u64,
@@ -74,21 +83,31 @@ pub struct PrefixCache<P: StatePool> {
 
 impl<P: StatePool> PrefixCache<P> {
     pub fn new(budget: usize) -> Self {
-        PrefixCache { budget, entries: HashMap::new(), seen: HashMap::new(), bytes: 0, tick: 0, evictions: 0 }
+        PrefixCache { budget, entries: HashMap::new(), partials: HashMap::new(), seen: HashMap::new(), bytes: 0, tick: 0, evictions: 0 }
     }
 
     pub fn counts(&self) -> CacheCounts {
         CacheCounts { entries: self.entries.len(), bytes: self.bytes, evictions: self.evictions }
     }
 
-    /// The longest cached prefix of `tokens` of at most `max_len` tokens: its length and snapshot.
+    /// The longest cached prefix of `tokens` of at most `max_len` tokens (`keys`: its block
+    /// keys): its length and snapshot. A partial entry extending the first k blocks is longer
+    /// than the full entry of those k blocks, so the partial entries of the longest matching
+    /// full prefix and of every longer block prefix are looked at too.
     pub fn lookup(&mut self, tokens: &[u32], keys: &[u64], max_len: usize) -> Option<(usize, &P::Snapshot)> {
+        let max_len = max_len.min(tokens.len());
         let blocks = (max_len / BLOCK).min(keys.len());
-        let k = (1..=blocks).rev().find(|&k| self.entries.get(&keys[k - 1]).is_some_and(|e| e.tokens[..] == tokens[..k * BLOCK]))?;
+        let full = (1..=blocks).rev().find(|&k| self.entries.get(&keys[k - 1]).is_some_and(|e| e.tokens[..] == tokens[..k * BLOCK]));
+        let partial = (full.unwrap_or(0)..=blocks).rev().find_map(|k| {
+            let parent = if k == 0 { 0 } else { keys[k - 1] };
+            let fits = |key: &u64| self.entries[key].tokens.len() <= max_len && tokens.starts_with(&self.entries[key].tokens);
+            self.partials.get(&parent)?.iter().copied().filter(fits).max_by_key(|key| self.entries[key].tokens.len())
+        });
+        let key = partial.or(full.map(|k| keys[k - 1]))?;
         self.tick += 1;
-        let e = self.entries.get_mut(&keys[k - 1]).expect("found above");
+        let e = self.entries.get_mut(&key).expect("found above");
         e.last_used = self.tick;
-        Some((k * BLOCK, &e.snap))
+        Some((e.tokens.len(), &e.snap))
     }
 
     /// Whether the prefix of `k` blocks with key `key` is cached.
@@ -109,11 +128,21 @@ impl<P: StatePool> PrefixCache<P> {
         self.seen.extend(keys.iter().map(|&k| (k, ())));
     }
 
-    /// Adds the snapshot of `tokens` (a whole number of blocks), then evicts down to the budget.
-    /// A prefix already cached keeps its entry (refreshed); the new snapshot is released.
+    /// Adds the snapshot of `tokens` (a whole number of blocks, or a partial entry), then
+    /// evicts down to the budget. A prefix already cached keeps its entry (refreshed); the new
+    /// snapshot is released.
     pub fn insert(&mut self, pool: &mut P, tokens: &[u32], snap: P::Snapshot) {
-        debug_assert!(!tokens.is_empty() && tokens.len().is_multiple_of(BLOCK));
-        let key = *block_keys(tokens).last().expect("at least one block");
+        debug_assert!(!tokens.is_empty());
+        let full = tokens.len() / BLOCK * BLOCK;
+        let block_key = block_keys(&tokens[..full]).last().copied();
+        let (key, parent) = if full == tokens.len() {
+            (block_key.expect("at least one block"), None)
+        } else {
+            let parent = block_key.unwrap_or(0);
+            let mut h = DefaultHasher::new();
+            (parent, &tokens[full..]).hash(&mut h);
+            (h.finish(), Some(parent))
+        };
         self.tick += 1;
         if let Some(e) = self.entries.get_mut(&key).filter(|e| e.tokens[..] == *tokens) {
             e.last_used = self.tick;
@@ -125,23 +154,37 @@ impl<P: StatePool> PrefixCache<P> {
             pool.release(snap);
             return;
         }
-        if let Some(old) = self.entries.insert(key, Entry { tokens: tokens.to_vec(), snap, bytes, last_used: self.tick }) {
-            // A hash collision with a different prefix: the newer one wins.
-            self.bytes -= old.bytes;
-            pool.release(old.snap);
+        // A hash collision with a different prefix: the newer one wins.
+        self.remove(pool, key);
+        self.entries.insert(key, Entry { tokens: tokens.to_vec(), parent, snap, bytes, last_used: self.tick });
+        if let Some(p) = parent {
+            self.partials.entry(p).or_default().push(key);
         }
         self.bytes += bytes;
         self.evict_to(pool, self.budget);
+    }
+
+    /// Drops the entry of `key`, if any, and releases its snapshot.
+    fn remove(&mut self, pool: &mut P, key: u64) {
+        let Some(e) = self.entries.remove(&key) else { return };
+        if let Some(p) = e.parent
+            && let Some(list) = self.partials.get_mut(&p)
+        {
+            list.retain(|&k| k != key);
+            if list.is_empty() {
+                self.partials.remove(&p);
+            }
+        }
+        self.bytes -= e.bytes;
+        pool.release(e.snap);
     }
 
     /// Evicts least recently used entries until at most `budget` bytes remain.
     pub fn evict_to(&mut self, pool: &mut P, budget: usize) {
         while self.bytes > budget {
             let Some((&key, _)) = self.entries.iter().min_by_key(|(_, e)| e.last_used) else { break };
-            let e = self.entries.remove(&key).expect("present");
-            self.bytes -= e.bytes;
+            self.remove(pool, key);
             self.evictions += 1;
-            pool.release(e.snap);
         }
     }
 
@@ -162,7 +205,8 @@ impl<P: StatePool> PrefixCache<P> {
 /// left: the next turn of a conversation then restores from the snapshot its generation leaves,
 /// and this turn's first token comes after one forward pass instead of two.
 pub fn save_points(len: usize, restored: usize, seen: usize) -> Vec<usize> {
-    let ok = |p: usize| p > restored && p.is_multiple_of(BLOCK) && (p == len || p + 2 <= len);
+    // At least a block past the restored prefix (which may end mid-block: a partial entry).
+    let ok = |p: usize| p >= restored + BLOCK && p.is_multiple_of(BLOCK) && (p == len || p + 2 <= len);
     let last = |p: usize| if p + 1 == len { p.saturating_sub(BLOCK) } else { p };
     let mut pts: Vec<usize> = (1..).map(|k| k * INTERVAL).take_while(|&p| p <= len).collect();
     pts.push(last((seen * BLOCK).min(len / BLOCK * BLOCK)));
@@ -175,10 +219,12 @@ pub fn save_points(len: usize, restored: usize, seen: usize) -> Vec<usize> {
     pts
 }
 
-/// The longest prefix a prompt of `len` tokens may restore: a block boundary that leaves at
-/// least two prompt tokens to run (the last one gives the first token's logits).
+/// The longest prefix a prompt of `len` tokens may restore: one that leaves at least two
+/// prompt tokens to run (the last one gives the first token's logits; a single one would run
+/// through the one-token path, which rounds differently). Full entries end at block boundaries,
+/// so for them this rounds down to one.
 pub fn max_restore(len: usize) -> usize {
-    len.saturating_sub(2) / BLOCK * BLOCK
+    len.saturating_sub(2)
 }
 
 #[cfg(test)]
@@ -201,8 +247,68 @@ mod tests {
         assert_eq!(save_points(192, 128, 1), Vec::<usize>::new());
         assert_eq!(save_points(2000, 128, 1), vec![1984]);
         assert_eq!(save_points(10, 0, 0), Vec::<usize>::new());
+        assert_eq!(save_points(6000, 4090, 0), vec![5952]);
+        assert_eq!(save_points(6000, 4000, 0), vec![4096, 5952]);
         assert_eq!(max_restore(130), 128);
-        assert_eq!(max_restore(129), 64);
-        assert_eq!(max_restore(65), 0);
+        assert_eq!(max_restore(65), 63);
+    }
+
+    /// A pool whose snapshots are their byte counts.
+    struct Pool;
+
+    impl StatePool for Pool {
+        type Snapshot = usize;
+        fn alloc(&mut self) -> Option<usize> {
+            None
+        }
+        fn free(&mut self, _: usize) {}
+        fn in_use(&self) -> usize {
+            0
+        }
+        fn capacity(&self) -> usize {
+            0
+        }
+        fn bytes_in_use(&self) -> usize {
+            0
+        }
+        fn reserve_prefix_cache(&mut self, budget: Option<usize>) -> orchid_model::error::Result<usize> {
+            Ok(budget.unwrap_or(0))
+        }
+        fn save(&mut self, _: usize, len: usize) -> orchid_model::error::Result<usize> {
+            Ok(len)
+        }
+        fn restore(&mut self, _: usize, _: &usize) -> orchid_model::error::Result<()> {
+            Ok(())
+        }
+        fn release(&mut self, _: usize) {}
+        fn snapshot_bytes(&self, snap: &usize) -> usize {
+            *snap
+        }
+    }
+
+    #[test]
+    fn partial_entries_extend_full_ones() {
+        let mut c = PrefixCache::<Pool>::new(10_000);
+        let t: Vec<u32> = (0..400).collect();
+        let find = |c: &mut PrefixCache<Pool>, p: &[u32], max: usize| c.lookup(p, &block_keys(p), max).map(|(n, _)| n);
+        c.insert(&mut Pool, &t[..128], 128);
+        c.insert(&mut Pool, &t[..150], 150);
+        c.insert(&mut Pool, &t[..300], 300);
+        c.insert(&mut Pool, &t[..40], 40);
+        assert_eq!(find(&mut c, &t, 398), Some(300));
+        assert_eq!(find(&mut c, &t, 299), Some(150));
+        assert_eq!(find(&mut c, &t, 149), Some(128));
+        assert_eq!(find(&mut c, &t, 127), Some(40));
+        assert_eq!(find(&mut c, &t[..41], 39), None);
+        // A prompt that leaves the partial entry's tokens before its end gets the full one.
+        let mut other = t.clone();
+        other[140] = 9999;
+        assert_eq!(find(&mut c, &other, 398), Some(128));
+        // Eviction unlinks partial entries: least recently used first (300, then 150).
+        c.evict_to(&mut Pool, 200);
+        assert_eq!(c.counts().entries, 2);
+        assert_eq!(find(&mut c, &t, 398), Some(128));
+        assert_eq!(find(&mut c, &t, 100), Some(40));
+        assert!(c.partials.values().flatten().all(|k| c.entries.contains_key(k)));
     }
 }
