@@ -1,22 +1,25 @@
-//! Batched decode: one token of each of up to `bucket` sequences per step, as one CUDA graph that
-//! is a capture of `Model::forward` over a batch of single-token spans, followed by the sampling
-//! of every row on the GPU with the row's own parameters and, for a row under a grammar, its
-//! token mask.
+//! Batched decode: one token of each of up to `bucket` sequences per step, as two CUDA graphs:
+//! a capture of `Model::forward` over a batch of single-token spans, then one of the sampling of
+//! every row on the GPU with the row's own parameters and, for a row under a grammar, its token
+//! mask. The host launches the forward graph, gets the masks meanwhile (the engine computes them
+//! on the CPU while the GPU runs the forward pass), uploads them, and launches the sampling graph.
 //!
-//! The graph reads its inputs from device buffers (`DeviceBatch`: token ids, state slots,
+//! The graphs read their inputs from device buffers (`DeviceBatch`: token ids, state slots,
 //! positions, plus each row's step counter, sampling parameters and mask), so one capture per
 //! bucket size serves whatever sequences are running; rows past the running ones are padding
-//! (slot −1: their attention and GDN blocks write zeros and touch no state). The temporaries of the
-//! forward pass are allocated and freed inside the graph (stream-ordered allocation becomes graph
-//! memory nodes). Between replays the host does what the captured walk cannot: it makes sure
-//! every row's KV blocks exist and keeps the per-layer cache lengths in step, as the eager
-//! decode-rows path would (`decode_rows`).
+//! (slot −1: their attention and GDN blocks write zeros and touch no state). The temporaries of
+//! both graphs are carved from one arena (`Arena`), which never reuses memory: the logits the
+//! forward graph leaves there are still intact when the sampling graph reads them. Between
+//! replays the host does what the captured walk cannot: it makes sure every row's KV blocks exist
+//! and keeps the per-layer cache lengths in step, as the eager decode-rows path would
+//! (`decode_rows`).
 
 use std::sync::Arc;
 
 use orchid_model::Model;
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
 use orchid_model::error::{Error, Result};
+use orchid_model::fast_decode::TokenMasks;
 
 use crate::CudaBackend;
 use crate::decode_rows::DeviceBatch;
@@ -24,9 +27,9 @@ use crate::driver::{Arena, DevBuf, Graph};
 use crate::ops::{Ctx, sampling as sp};
 use crate::state::CudaState;
 
-/// One running sequence's decode step.
+/// One running sequence's decode step (its token mask comes later, see `BatchGraph::step`).
 #[derive(Clone, Copy, Debug)]
-pub struct BatchRow<'a> {
+pub struct BatchRow {
     pub slot: usize,
     /// Input token, at position `pos` (the slot holds `pos` positions before the step).
     pub token: u32,
@@ -34,20 +37,21 @@ pub struct BatchRow<'a> {
     /// The generator's counter for the sampled token (its index among the generated ones).
     pub index: usize,
     pub params: sp::SampleParams,
-    /// The tokens the row may pick: `vocab.div_ceil(32)` words, bit `i % 32` of word `i / 32`
-    /// for token `i` (the sampler reads every other token as -inf); `None`: all of them.
-    pub mask: Option<&'a [u32]>,
 }
 
 pub struct BatchGraph {
     ctx: Arc<Ctx>,
     pub bucket: usize,
     pub greedy: bool,
-    graph: Graph,
+    /// The forward pass over the rows; it leaves the logits in the arena ...
+    forward: Graph,
+    /// ... where the sampling of every row reads them.
+    sample: Graph,
     /// i32 [4, bucket]: token ids, slots, positions, step counters.
     inputs: DevBuf,
     params: DevBuf,
     /// u32 [bucket, words]: the rows' token masks (read for rows whose parameters say `masked`).
+    /// `params` and `masks` are read by the sampling graph only.
     masks: DevBuf,
     /// Words per mask row: vocab.div_ceil(32).
     words: usize,
@@ -58,10 +62,11 @@ pub struct BatchGraph {
     host_params: Vec<sp::SampleParams>,
     /// Staging of the masked rows' words for their one upload.
     host_masks: Vec<u32>,
+    /// Nodes of both graphs.
     pub nodes: usize,
-    /// Whether the step's kernels are chained by programmatic dependent launch.
+    /// Whether the forward graph's kernels are chained by programmatic dependent launch.
     pub pdl: bool,
-    /// The step's temporaries (see `Arena`).
+    /// The step's temporaries, both graphs' (see `Arena`).
     _arena: Option<DevBuf>,
     /// Per-launch timing events when captured with `profile` (see `profile_summary`).
     prof: Vec<(&'static str, crate::driver::Event)>,
@@ -78,7 +83,9 @@ impl BatchGraph {
         Self::build(model, state, bucket, greedy, true)
     }
 
-    /// Time per kernel name over the last replayed step: (name, launches, ms), largest first.
+    /// Time per kernel name over the last replayed step: (name, launches, ms), largest first. The
+    /// sampling kernel's time counts from the end of the forward graph's last kernel, so it
+    /// includes the host's gap between the two launches (the masks, their upload).
     pub fn profile_summary(&self) -> Result<Vec<(&'static str, usize, f64)>> {
         crate::driver::profile_summary(&self.prof)
     }
@@ -125,27 +132,25 @@ impl BatchGraph {
             vocab: v as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
         };
-        // First a capture with ordinary allocations, to measure them; then the real one with
-        // every temporary in one arena, chained by programmatic dependent launch where every
-        // kernel of the walk allows it (falling back to plain launches if the driver refuses).
+        // First captures with ordinary allocations, to measure them; then the real ones with
+        // every temporary of both graphs in one arena, the forward pass chained by programmatic
+        // dependent launch where every kernel of the walk allows it (falling back to plain
+        // launches if the driver refuses).
         let mut prof = Vec::new();
         let mut capture = |arena: Arena, pdl: bool, prof: &mut Vec<_>| {
             Arena::with(arena, || {
-                Graph::capture(&gpu, || {
-                    if profile {
-                        crate::driver::profile_begin_capture()?;
-                    }
-                    let r = Self::enqueue(model, state, &ids, &layout, &sample, greedy, pdl);
-                    crate::driver::set_pdl(false);
-                    if profile {
-                        *prof = crate::driver::profile_end();
-                    }
-                    r
-                })
+                if profile {
+                    crate::driver::profile_begin_capture()?;
+                }
+                let r = Self::capture_step(model, state, &ids, &layout, &sample, greedy, pdl);
+                if profile {
+                    *prof = crate::driver::profile_end();
+                }
+                r
             })
         };
         let measured = capture(Arena::Measure(0), false, &mut prof);
-        let (graph, arena, pdl) = match measured {
+        let (graphs, arena, pdl) = match measured {
             (Err(e), _) => (Err(e), None, false),
             (Ok(first), m) => {
                 drop(first);
@@ -162,14 +167,15 @@ impl BatchGraph {
             }
         };
         b.set_device_batch(None);
-        let graph = graph?;
-        let nodes = graph.num_nodes();
+        let (forward, sample) = graphs?;
+        let nodes = forward.num_nodes() + sample.num_nodes();
         tracing::debug!("batch decode graph: {bucket} rows, {nodes} nodes, greedy {greedy}, pdl {pdl}");
         Ok(BatchGraph {
             ctx,
             bucket,
             greedy,
-            graph,
+            forward,
+            sample,
             inputs,
             params,
             masks,
@@ -186,9 +192,11 @@ impl BatchGraph {
         })
     }
 
-    /// The captured work: the forward pass over the rows, then the sampling of every row (`a`:
-    /// the sampling arguments of row 0, but for the logits).
-    fn enqueue(
+    /// Captures the step's two graphs (inside the caller's arena): the forward pass over the
+    /// rows, then the sampling of every row from the logits the first leaves in the arena (`a`:
+    /// the sampling arguments of row 0, but for the logits). The sampling graph is launched
+    /// after the host's uploads, so its launch is not chained to the forward pass.
+    fn capture_step(
         model: &Model<CudaBackend>,
         state: &mut CudaState,
         ids: &[u32],
@@ -196,23 +204,29 @@ impl BatchGraph {
         a: &sp::SampleArgs,
         greedy: bool,
         pdl: bool,
-    ) -> Result<()> {
+    ) -> Result<(Graph, Graph)> {
+        let gpu = &model.backend.ctx.gpu;
+        let mut logits = 0;
         crate::driver::set_pdl(pdl);
-        let logits = model.forward(ids, layout, state, LogitRows::LastOfEachSpan)?;
-        sp::rows(&model.backend.ctx, &sp::SampleArgs { logits: logits.ptr(), ..*a }, layout.spans.len(), greedy)
+        let forward = Graph::capture(gpu, || {
+            logits = model.forward(ids, layout, state, LogitRows::LastOfEachSpan)?.ptr();
+            Ok(())
+        });
+        crate::driver::set_pdl(false);
+        let forward = forward?;
+        let sample = Graph::capture(gpu, || sp::rows(&model.backend.ctx, &sp::SampleArgs { logits, ..*a }, layout.spans.len(), greedy))?;
+        Ok((forward, sample))
     }
 
     /// Runs one decode step of `rows` (at most `bucket`, distinct slots) and returns the sampled
-    /// tokens in row order. The rows' states advance by one position. Everything the step reads
-    /// from the host (inputs, changed parameters, the masked rows' masks) is copied on the
-    /// graph's stream before the launch.
-    pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow]) -> Result<Vec<u32>> {
+    /// tokens in row order. The rows' states advance by one position. The step's inputs are
+    /// copied before the forward graph's launch; `masks` is called once that graph runs (its
+    /// work overlaps the GPU's), and the rows' masks (one entry per row, see `TokenMasks`) and
+    /// changed parameters are copied before the sampling graph's.
+    pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow], masks: &mut dyn FnMut() -> TokenMasks) -> Result<Vec<u32>> {
         let n = rows.len();
         if n == 0 || n > self.bucket {
             return Err(Error::Op { op: "batch decode", msg: format!("{n} rows for a graph of {}", self.bucket) });
-        }
-        if let Some(m) = rows.iter().filter_map(|r| r.mask).find(|m| m.len() != self.words) {
-            return Err(Error::Op { op: "batch decode", msg: format!("a token mask of {} words, not {}", m.len(), self.words) });
         }
         self.ctx.gpu.bind()?;
         for r in rows {
@@ -235,9 +249,25 @@ impl BatchGraph {
             input[3 * bk + i] = r.index.min(i32::MAX as usize) as i32;
         }
         self.inputs.upload(0, bytemuck::cast_slice(&input))?;
+        for r in rows {
+            state.slot_mut(r.slot)?.attn_len.iter_mut().for_each(|l| *l += 1);
+        }
+        self.forward.launch(&self.ctx.gpu)?;
+        let masks = masks();
+        if masks.len() != n {
+            return Err(Error::Op { op: "batch decode", msg: format!("{} token masks for {n} rows", masks.len()) });
+        }
+        if let Some(m) = masks.iter().flatten().find(|m| m.len() != self.words) {
+            return Err(Error::Op { op: "batch decode", msg: format!("a token mask of {} words, not {}", m.len(), self.words) });
+        }
+        // The uploads below are queued on the graphs' stream (`DevBuf::upload`:
+        // cuMemcpyHtoDAsync on `Gpu::stream`), so they land after the forward graph and before
+        // the sampling graph, the only reader of `params` and `masks`; the previous step's
+        // sampling graph finished before its tokens came back. (From pageable memory the driver
+        // may wait for the forward graph before it stages a copy: the masks are ready by then.)
         let mut changed = false;
         for (i, r) in rows.iter().enumerate() {
-            let p = sp::SampleParams { masked: r.mask.is_some() as i32, ..r.params };
+            let p = sp::SampleParams { masked: masks[i].is_some() as i32, ..r.params };
             if self.host_params[i] != p {
                 self.host_params[i] = p;
                 changed = true;
@@ -247,19 +277,16 @@ impl BatchGraph {
             self.params.upload(0, bytemuck::cast_slice(&self.host_params))?;
         }
         // The masked rows' masks, in one copy from the first masked row to the last.
-        let masked: Vec<usize> = (0..n).filter(|&i| rows[i].mask.is_some()).collect();
+        let masked: Vec<usize> = (0..n).filter(|&i| masks[i].is_some()).collect();
         if let (Some(&lo), Some(&hi)) = (masked.first(), masked.last()) {
             let w = self.words;
             self.host_masks.resize((hi + 1 - lo) * w, 0);
             for &i in &masked {
-                self.host_masks[(i - lo) * w..(i - lo + 1) * w].copy_from_slice(rows[i].mask.expect("a masked row"));
+                self.host_masks[(i - lo) * w..(i - lo + 1) * w].copy_from_slice(masks[i].as_deref().expect("a masked row"));
             }
             self.masks.upload(lo * w * 4, bytemuck::cast_slice(&self.host_masks))?;
         }
-        for r in rows {
-            state.slot_mut(r.slot)?.attn_len.iter_mut().for_each(|l| *l += 1);
-        }
-        self.graph.launch(&self.ctx.gpu)?;
+        self.sample.launch(&self.ctx.gpu)?;
         let mut out = vec![0i32; n];
         self.tokens.download(0, bytemuck::cast_slice_mut(&mut out))?;
         Ok(out.into_iter().map(|t| t as u32).collect())

@@ -16,15 +16,15 @@
 //! Sampling runs on the GPU (`kernels/sampling.cu`): greedy is the same argmax as the host
 //! sampler (lowest id among equal maxima); temperature/top-k/top-p/min-p draw from a counter-based
 //! generator keyed by (seed, token index), so seeded output is reproducible on this path but is
-//! not the host sampler's random stream. A step under a grammar comes with a token mask, which
-//! only the batch graphs read (`masks`): the engine sends such a sequence through `step_batch`,
-//! alone as a batch of one if need be.
+//! not the host sampler's random stream. A step under a grammar has a token mask, which only the
+//! batch graphs read (`masks`): the engine sends such a sequence through `step_batch`, alone as a
+//! batch of one if need be, and the batch graph asks for the masks once its forward pass runs.
 
 use std::collections::HashMap;
 
 use orchid_model::Model;
 use orchid_model::error::{Error, Result};
-use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode};
+use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, TokenMasks};
 
 use crate::CudaBackend;
 use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
@@ -110,9 +110,6 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     }
 
     fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<u32> {
-        if step.mask.is_some() {
-            return Err(Error::Op { op: "decode", msg: "a token mask for a single-sequence graph (step_batch takes them)".into() });
-        }
         let p = sample_params(&step.sampling);
         let key = (step.slot, p.is_greedy());
         let c = self
@@ -174,17 +171,16 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         Ok(())
     }
 
-    fn step_batch(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<Vec<u32>> {
+    fn step_batch(
+        &mut self,
+        _model: &Model<CudaBackend>,
+        state: &mut CudaState,
+        steps: &[DecodeStep],
+        masks: &mut dyn FnMut() -> TokenMasks,
+    ) -> Result<Vec<u32>> {
         let rows: Vec<BatchRow> = steps
             .iter()
-            .map(|s| BatchRow {
-                slot: s.slot,
-                token: s.token,
-                pos: s.pos,
-                index: s.index,
-                params: sample_params(&s.sampling),
-                mask: s.mask,
-            })
+            .map(|s| BatchRow { slot: s.slot, token: s.token, pos: s.pos, index: s.index, params: sample_params(&s.sampling) })
             .collect();
         let key = batch_key(steps);
         let graph = self
@@ -200,7 +196,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
                 }
             }
         }
-        graph.step(state, &rows)
+        graph.step(state, &rows, masks)
     }
 }
 

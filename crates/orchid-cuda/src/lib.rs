@@ -8,7 +8,8 @@
 //! implementation serves prefill and any batch (`layers`: attention, DeltaNet and MoE blocks;
 //! `decode_rows`: the blocks of a batch of one-token spans, one launch for all rows) and fuses
 //! the patterns the model names (`norm_matmuls`, `matmul_add`, `moe_block`). [`BatchGraph`] is a
-//! capture of `Model::forward` over such a batch plus sampling per row on the GPU, its inputs in
+//! capture of `Model::forward` over such a batch and one of the sampling per row on the GPU (two
+//! graphs, so that the rows' grammar masks are computed while the first runs), its inputs in
 //! device buffers; [`DecodeGraph`] is the single-sequence path: one CUDA graph per step, fused
 //! kernels, the sampled token written on the GPU into the next step's input. [`GraphFastDecode`]
 //! offers both to the engine (`orchid_model::FastDecode`).

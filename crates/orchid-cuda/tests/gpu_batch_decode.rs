@@ -86,7 +86,6 @@ fn graph_decode(
             graphs.push(BatchGraph::new(m, &mut st, bucket, greedy).unwrap());
         }
         let g = graphs.iter_mut().find(|g| g.bucket == bucket).unwrap();
-        let ms: Vec<Option<Vec<u32>>> = (0..n).map(|i| masks(k, i)).collect();
         let rows: Vec<BatchRow> = (0..n)
             .map(|i| BatchRow {
                 slot: slots[i],
@@ -94,10 +93,9 @@ fn graph_decode(
                 pos: prompts[i].len() + k,
                 index: k + 1,
                 params: params[i],
-                mask: ms[i].as_deref(),
             })
             .collect();
-        for (i, t) in g.step(&mut st, &rows).unwrap().into_iter().enumerate() {
+        for (i, t) in g.step(&mut st, &rows, &mut || (0..n).map(|i| masks(k, i)).collect()).unwrap().into_iter().enumerate() {
             out[i].push(t);
         }
     }
@@ -253,16 +251,16 @@ fn batch_graph_masks() {
             })
             .collect();
         let rows: Vec<BatchRow> = (0..n)
-            .map(|i| BatchRow {
-                slot: slots[i],
-                token: toks[i],
-                pos: pos[i],
-                index: k + 1,
-                params: SampleParams::greedy(v),
-                mask: masks[i].as_deref(),
-            })
+            .map(|i| BatchRow { slot: slots[i], token: toks[i], pos: pos[i], index: k + 1, params: SampleParams::greedy(v) })
             .collect();
-        let got = graph.step(&mut st, &rows).unwrap();
+        let mut asked = 0;
+        let got = graph
+            .step(&mut st, &rows, &mut || {
+                asked += 1;
+                masks.clone()
+            })
+            .unwrap();
+        assert_eq!(asked, 1, "the masks are asked for once a step");
         for i in 0..n {
             let row = &l[i * v..(i + 1) * v];
             let masked: Vec<f32> =

@@ -39,10 +39,12 @@
 //! step's forward call (each constrained sequence's matcher already knows the token it is about
 //! to be fed), so the mask costs no step time. On the fast path, when the decoder takes masks
 //! ([`FastDecode::masks`]), a constrained sequence decodes through `step_batch` (alone too, as a
-//! batch of one) with its mask as a bit set the device sampler reads: the masks are computed
-//! before the launch (the sampler at the end of the launch needs them) and uploaded with the
-//! step's inputs. Constrained and free sequences share the batch on either path, and the sampled
-//! token advances the grammar in the one place every path shares (`emit`).
+//! batch of one) with its mask as a bit set the device sampler reads: `step_batch` asks for the
+//! step's masks once it has launched the forward pass, so they are computed on the CPU while the
+//! device runs it, and uploaded before the sampling. A mask that fails there ends its request
+//! with the error after the step (the step has advanced its state already), as on the generic
+//! path. Constrained and free sequences share the batch on either path, and the sampled token
+//! advances the grammar in the one place every path shares (`emit`).
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -906,25 +908,9 @@ impl<B: Backend> Engine<B> {
         }
         let vocab = self.model.config.vocab_size;
         let valid = self.tokenizer.vocab_size().min(vocab);
-        // The grammar masks of this step, before the launch: a mask depends on the token this
-        // step feeds in, known only since the previous step's sampling came back, and the
-        // device sampler reads it at the end of the same launch. (The generic step computes its
-        // masks during the forward call instead: it samples on the host, after it.) A mask that
-        // fails leaves the step to the generic path, which reports the error.
-        let mut masks = Vec::with_capacity(rows.len());
-        for &i in &rows {
-            let s = &mut self.running[i];
-            let (remaining, budget) = s.grammar_budget(self.max_context);
-            match s.constraint.as_mut().map(|c| c.mask_words(remaining, budget, valid, vocab)) {
-                None => masks.push(None),
-                Some(Ok(m)) => masks.push(m),
-                Some(Err(_)) => return false,
-            }
-        }
         let steps: Vec<DecodeStep> = rows
             .iter()
-            .zip(&masks)
-            .map(|(&i, mask)| {
+            .map(|&i| {
                 let s = &self.running[i];
                 let p = &s.req.sampling;
                 DecodeStep {
@@ -940,11 +926,33 @@ impl<B: Backend> Engine<B> {
                         seed: s.device_seed,
                         valid,
                     },
-                    mask: mask.as_deref(),
                 }
             })
             .collect();
-        let ran = if let [step @ DecodeStep { mask: None, .. }] = steps.as_slice() {
+        // The grammar masks of this step, asked for by the decoder once the step's forward pass
+        // runs on the device: a mask depends on the token this step feeds in, known only since
+        // the previous step's sampling came back, and the device sampler needs it at the end of
+        // the step. A mask that fails leaves its row unmasked (the forward pass has advanced every
+        // row already); that request ends with the error after the step. Failures: (row, error).
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        let (running, max_context) = (&mut self.running, self.max_context);
+        let mut masks = || {
+            let mut masks = Vec::with_capacity(rows.len());
+            for (row, &i) in rows.iter().enumerate() {
+                let s = &mut running[i];
+                let (remaining, budget) = s.grammar_budget(max_context);
+                match s.constraint.as_mut().map(|c| c.mask_words(remaining, budget, valid, vocab)) {
+                    None => masks.push(None),
+                    Some(Ok(m)) => masks.push(m),
+                    Some(Err(e)) => {
+                        failed.push((row, e));
+                        masks.push(None);
+                    }
+                }
+            }
+            masks
+        };
+        let ran = if let ([step], false) = (steps.as_slice(), constrained) {
             if let Err(e) = fast.prepare(&self.model, &mut self.state, step.slot, &step.sampling) {
                 tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
                 self.fast = None;
@@ -957,16 +965,21 @@ impl<B: Backend> Engine<B> {
                 self.fast_batches = false;
                 return false;
             }
-            fast.step_batch(&self.model, &mut self.state, &steps)
+            fast.step_batch(&self.model, &mut self.state, &steps, &mut masks)
         };
         match ran {
             Ok(tokens) => {
                 self.stats.fast_decode_steps.fetch_add(rows.len(), Ordering::Relaxed);
                 let mut done = Vec::new();
-                for ((&i, step), tok) in rows.iter().zip(&steps).zip(tokens) {
+                for (row, ((&i, step), tok)) in rows.iter().zip(&steps).zip(tokens).enumerate() {
                     self.note_decoded(i, step.pos + 1);
-                    // Counted as the generic step counts (a token of a sequence that goes on).
-                    if emit(&mut self.running[i], tok, None, self.max_context) {
+                    let s = &mut self.running[i];
+                    if let Some((_, e)) = failed.iter().find(|(r, _)| *r == row) {
+                        let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
+                        s.ended = true;
+                        done.push(i);
+                    } else if emit(s, tok, None, self.max_context) {
+                        // Counted as the generic step counts (a token of a sequence that goes on).
                         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
                     } else {
                         done.push(i);

@@ -4,7 +4,8 @@
 //! consistent), run everything else (prefill, several sequences, penalties, logprobs) on the
 //! generic path, fall back when `prepare` fails or the option is off, and produce the same
 //! greedy text either way. A decoder that takes token masks gets the steps of sequences under a
-//! grammar through `step_batch` with their masks. The real fast decoder (the CUDA graph) is tested on the GPU by
+//! grammar through `step_batch`, and their masks when it asks for them, after it has issued the
+//! step's forward pass. The real fast decoder (the CUDA graph) is tested on the GPU by
 //! crates/orchid-cuda/tests/gpu_engine.rs.
 
 use std::path::PathBuf;
@@ -17,7 +18,7 @@ use orchid_engine::constraint::{GrammarSpec, Grammars};
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
 use orchid_engine::sampling::{Sampler, SamplingParams, argmax};
-use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LogitRows, Model, Result, SeqSpan};
+use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LogitRows, Model, Result, SeqSpan, TokenMasks};
 
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/orchid-tiny")
@@ -26,17 +27,24 @@ fn model_dir() -> PathBuf {
 #[derive(Default)]
 struct Log {
     prepared: Vec<(usize, DeviceSampling)>,
-    /// The steps run (their masks dropped).
-    steps: Vec<DecodeStep<'static>>,
+    /// The steps run.
+    steps: Vec<DecodeStep>,
     /// Sizes of the batched steps ...
     batches: Vec<usize>,
     /// ... and how many of their rows had a mask.
     masked: Vec<usize>,
+    /// What each batched step did, in order.
+    calls: Vec<Call>,
 }
 
-/// A step as logged: without its mask.
-fn logged(s: &DecodeStep) -> DecodeStep<'static> {
-    DecodeStep { mask: None, ..*s }
+/// The parts of a batched step, as the mock runs them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Call {
+    /// The forward pass over the rows (on a device: launched, still running).
+    Forward,
+    /// The engine's masks, asked for and received.
+    Masks,
+    Sampled,
 }
 
 struct Mock {
@@ -49,13 +57,14 @@ struct Mock {
 }
 
 /// A stand-in for a device sampler: greedy, or a generator keyed by (seed, index); a token the
-/// step's mask does not allow reads as -inf.
-fn mock_sample(l: &[f32], step: &DecodeStep) -> u32 {
+/// step's mask (see `TokenMasks`) does not allow reads as -inf.
+fn mock_sample(l: &[f32], step: &DecodeStep, mask: Option<&[u32]>) -> u32 {
     let d = &step.sampling;
-    if let Some(m) = step.mask {
+    if let Some(m) = mask {
         assert_eq!(m.len(), l.len().div_ceil(32), "a mask for the model's vocabulary");
     }
-    let l: Vec<f32> = l.iter().enumerate().map(|(i, &x)| if step.allows(i) { x } else { f32::NEG_INFINITY }).collect();
+    let allows = |i: usize| mask.is_none_or(|m| m[i / 32] >> (i % 32) & 1 == 1);
+    let l: Vec<f32> = l.iter().enumerate().map(|(i, &x)| if allows(i) { x } else { f32::NEG_INFINITY }).collect();
     let l = l.as_slice();
     if d.is_greedy() {
         return argmax(&l[..d.valid.min(l.len())]) as u32;
@@ -91,19 +100,17 @@ impl FastDecode<CpuBackend> for Mock {
     }
 
     fn step(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, step: &DecodeStep) -> Result<u32> {
-        assert!(step.mask.is_none(), "a mask for the single-sequence step");
-        self.log.lock().unwrap().steps.push(logged(step));
+        self.log.lock().unwrap().steps.push(*step);
         let l = m.forward(&[step.token], &BatchLayout::single(step.slot, step.pos, 1), s, LogitRows::LastOfEachSpan)?;
         let l = m.backend.to_host(&l)?;
-        Ok(mock_sample(&l, step))
+        Ok(mock_sample(&l, step, None))
     }
 
     fn prepare_batch(&mut self, _m: &Model<CpuBackend>, _s: &mut <CpuBackend as Backend>::State, steps: &[DecodeStep]) -> Result<()> {
         if !self.batch {
             return Err(Error::Backend("the mock decodes one at a time".into()));
         }
-        assert!(steps.len() > 1 || steps[0].mask.is_some(), "a batch of one without a mask");
-        assert!(self.masks || steps.iter().all(|s| s.mask.is_none()), "a mask for a decoder that takes none");
+        assert!(!steps.is_empty(), "an empty batch");
         Ok(())
     }
 
@@ -111,18 +118,33 @@ impl FastDecode<CpuBackend> for Mock {
         self.masks
     }
 
-    fn step_batch(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, steps: &[DecodeStep]) -> Result<Vec<u32>> {
+    /// As a device decoder would: the forward pass first, then the masks, then the sampling.
+    fn step_batch(
+        &mut self,
+        m: &Model<CpuBackend>,
+        s: &mut <CpuBackend as Backend>::State,
+        steps: &[DecodeStep],
+        masks: &mut dyn FnMut() -> TokenMasks,
+    ) -> Result<Vec<u32>> {
         assert!(self.batch, "step_batch without a successful prepare_batch");
-        let mut log = self.log.lock().unwrap();
-        log.steps.extend(steps.iter().map(logged));
-        log.batches.push(steps.len());
-        log.masked.push(steps.iter().filter(|s| s.mask.is_some()).count());
-        drop(log);
         let ids: Vec<u32> = steps.iter().map(|s| s.token).collect();
         let batch = BatchLayout { spans: steps.iter().map(|s| SeqSpan { slot: s.slot, start: s.pos, len: 1 }).collect() };
         let l = m.backend.to_host(&m.forward(&ids, &batch, s, LogitRows::LastOfEachSpan)?)?;
+        self.log.lock().unwrap().calls.push(Call::Forward);
+        let masks = masks();
+        assert_eq!(masks.len(), steps.len(), "one mask entry per step");
+        assert!(steps.len() > 1 || masks[0].is_some(), "a batch of one without a mask");
+        assert!(self.masks || masks.iter().all(Option::is_none), "a mask for a decoder that takes none");
+        let mut log = self.log.lock().unwrap();
+        log.calls.push(Call::Masks);
+        log.steps.extend_from_slice(steps);
+        log.batches.push(steps.len());
+        log.masked.push(masks.iter().flatten().count());
         let v = l.len() / steps.len();
-        Ok(steps.iter().enumerate().map(|(i, st)| mock_sample(&l[i * v..(i + 1) * v], st)).collect())
+        let tokens =
+            steps.iter().zip(&masks).enumerate().map(|(i, (st, mask))| mock_sample(&l[i * v..(i + 1) * v], st, mask.as_deref())).collect();
+        log.calls.push(Call::Sampled);
+        Ok(tokens)
     }
 }
 
@@ -404,7 +426,9 @@ fn several_sequences_decode_as_one_batch() {
 /// A request under a grammar decodes on the fast batch path with its mask: alone (a batch of
 /// one) and next to a free request, producing the generic path's greedy tokens, the end-of-budget
 /// steering included; a sampled one only ever draws allowed tokens (a disallowed one fails the
-/// request). A decoder that takes no masks leaves it to the generic path.
+/// request). The masks come through `step_batch`'s callback, once per step, which the mock calls
+/// between the forward pass and the sampling. A decoder that takes no masks leaves it to the
+/// generic path.
 #[test]
 fn constrained_requests_decode_on_the_batch_path() {
     let (plain, _, tok) = start(None, false, true);
@@ -468,6 +492,11 @@ fn constrained_requests_decode_on_the_batch_path() {
     let r = constrained(PROMPTS[2], &specs[0], 12);
     let a = collect(plain.submit(r.clone()).unwrap());
     assert_eq!(collect(fast.submit(r).unwrap()), a);
+    // Every batched step got its masks once, after its forward pass and before its sampling.
+    let l = log.lock().unwrap();
+    assert!(!l.batches.is_empty());
+    assert_eq!(l.calls, [Call::Forward, Call::Masks, Call::Sampled].repeat(l.batches.len()));
+    drop(l);
     for e in [plain, fast, nomask] {
         e.shutdown(false);
     }

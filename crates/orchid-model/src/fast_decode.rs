@@ -40,7 +40,7 @@ impl DeviceSampling {
 
 /// One decode step of one sequence.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DecodeStep<'a> {
+pub struct DecodeStep {
     /// The sequence's state slot.
     pub slot: usize,
     /// The input token (the last generated one) ...
@@ -51,20 +51,14 @@ pub struct DecodeStep<'a> {
     /// first token after the prompt); the counter of the seeded device generator.
     pub index: usize,
     pub sampling: DeviceSampling,
-    /// The tokens this step may pick (a grammar's mask), `vocab.div_ceil(32)` words for the
-    /// model's vocabulary: token `i` is allowed when bit `i % 32` of word `i / 32` is set. The
-    /// sampler treats every other token as a logit of -inf before any of its filters (greedy
-    /// picks the best allowed token; top-k, top-p and min-p see only allowed ones). Only given
-    /// to `step_batch` of a decoder whose [`FastDecode::masks`] says so.
-    pub mask: Option<&'a [u32]>,
 }
 
-impl DecodeStep<'_> {
-    /// Whether `mask` allows `token` (no mask: every token).
-    pub fn allows(&self, token: usize) -> bool {
-        self.mask.is_none_or(|m| m.get(token / 32).is_some_and(|w| w >> (token % 32) & 1 == 1))
-    }
-}
+/// The token masks of a batched step (a grammar's), one entry per step in order; `None`: the row
+/// may pick any token. A mask is `vocab.div_ceil(32)` words for the model's vocabulary: token `i`
+/// is allowed when bit `i % 32` of word `i / 32` is set. The sampler treats every other token as
+/// a logit of -inf before any of its filters (greedy picks the best allowed token; top-k, top-p
+/// and min-p see only allowed ones).
+pub type TokenMasks = Vec<Option<Vec<u32>>>;
 
 /// A backend's fast single-sequence decoder (see the module docs). Implementations keep
 /// whatever they cache per slot (captured graphs, device-side input token and position) and
@@ -87,27 +81,37 @@ pub trait FastDecode<B: Backend> {
     /// After an error the sequence's state is undefined (the engine ends the request).
     fn step(&mut self, model: &Model<B>, state: &mut B::State, step: &DecodeStep) -> Result<u32>;
 
-    /// Whether `step_batch` honours [`DecodeStep::mask`] (then the engine runs a sequence under
-    /// a grammar through `step_batch`, alone as a batch of one if need be; `step` never gets a
-    /// mask). The default: no, such sequences take the generic path.
+    /// Whether `step_batch` honours the [`TokenMasks`] it asks for (then the engine runs a
+    /// sequence under a grammar through `step_batch`, alone as a batch of one if need be; `step`
+    /// takes no mask). The default: no, such sequences take the generic path.
     fn masks(&self) -> bool {
         false
     }
 
     /// Gets ready to decode the sequences of `steps` together with `step_batch` (e.g. captures
     /// a graph for a batch of that size) without changing their states. `steps` holds one step
-    /// or more (one: a masked step of a decoder that takes masks). An error means batched
-    /// fast decoding cannot be used (the default: the decoder does one sequence at a time); the
-    /// engine logs it once and runs batches through the generic path.
+    /// or more (one: a sequence under a grammar, for a decoder that takes masks). An error means
+    /// batched fast decoding cannot be used (the default: the decoder does one sequence at a
+    /// time); the engine logs it once and runs batches through the generic path.
     fn prepare_batch(&mut self, model: &Model<B>, state: &mut B::State, steps: &[DecodeStep]) -> Result<()> {
         let _ = (model, state, steps);
         Err(crate::error::Error::Op { op: "decode", msg: format!("{} decodes one sequence at a time", self.name()) })
     }
 
     /// One decode step of several sequences at once (distinct slots; each step as in `step`,
-    /// after a `prepare_batch` of the same steps, masks aside: they may change from step to
-    /// step): returns the sampled tokens in order. Like `step`, any interleaving with
-    /// `Model::forward` and `step` on the same state is allowed; after an error the sequences'
-    /// states are undefined.
-    fn step_batch(&mut self, model: &Model<B>, state: &mut B::State, steps: &[DecodeStep]) -> Result<Vec<u32>>;
+    /// after a `prepare_batch` of the same steps): returns the sampled tokens in order. The
+    /// steps' token masks come late, so that the caller computes them while the device runs the
+    /// forward pass: the implementation calls `masks` exactly once, after it has issued the
+    /// step's forward work and before it samples, and samples under what it returns (one entry
+    /// per step; only a decoder whose [`masks`](Self::masks) is true gets any `Some`). An
+    /// implementation that fails before it issues the forward work may return the error without
+    /// calling `masks`. Like `step`, any interleaving with `Model::forward` and `step` on the
+    /// same state is allowed; after an error the sequences' states are undefined.
+    fn step_batch(
+        &mut self,
+        model: &Model<B>,
+        state: &mut B::State,
+        steps: &[DecodeStep],
+        masks: &mut dyn FnMut() -> TokenMasks,
+    ) -> Result<Vec<u32>>;
 }

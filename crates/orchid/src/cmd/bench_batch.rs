@@ -45,13 +45,13 @@ pub fn batch_decode(
         let mut rows: Vec<BatchRow> = slots
             .iter()
             .zip(&first)
-            .map(|(&slot, &token)| BatchRow { slot, token, pos: context, index: 1, params: SampleParams::greedy(v), mask: None })
+            .map(|(&slot, &token)| BatchRow { slot, token, pos: context, index: 1, params: SampleParams::greedy(v) })
             .collect();
         let mut run = |k: usize, rows: &mut Vec<BatchRow>| -> Result<f64> {
             gpu.synchronize()?;
             let t = Instant::now();
             for _ in 0..k {
-                let toks = g.step(&mut state, rows)?;
+                let toks = g.step(&mut state, rows, &mut || vec![None; n])?;
                 for (r, t) in rows.iter_mut().zip(toks) {
                     r.token = t;
                     r.pos += 1;
