@@ -4,19 +4,22 @@
 //! of dk, Hv value heads of dv; value head j reads key head j / (Hv/Hk). State S_j is [dk, dv].
 //!
 //! Per token:  S ← αS;  δ = β(v − Sᵀk);  S ← S + k δᵀ;  o = Sᵀq   (α = e^g)
-//! Spans longer than one token use the chunked form (chunk 64): within a chunk the updates are
-//! solved as a unit-lower-triangular system, and the state is carried from chunk to chunk.
+//! Spans longer than one token use the chunked form (chunk 64, from the span's start): within a
+//! chunk the updates are solved as a unit-lower-triangular system, and the state is carried from
+//! chunk to chunk. A capture asked for inside the span (`StatePool::capture_at`) copies the state
+//! between two chunks and the conv window there: what a pass ending at that position leaves.
 
+use orchid_model::backend::GDN_CHUNK;
 use orchid_model::batch::BatchLayout;
 use orchid_model::config::DeltaNetDims;
 use rayon::prelude::*;
 
 use crate::elementwise::{rms_norm_into, sigmoid, silu, softplus};
 use crate::simd::{axpy, dot};
-use crate::state::CpuState;
+use crate::state::{CpuState, GdnState};
 use crate::tensor::CpuTensor;
 
-pub const CHUNK: usize = 64;
+pub const CHUNK: usize = GDN_CHUNK;
 
 pub struct GdnArgs<'a> {
     pub qkv: &'a CpuTensor,
@@ -27,6 +30,15 @@ pub struct GdnArgs<'a> {
     pub a_log: &'a [f32],
     pub dt_bias: &'a [f32],
     pub norm: &'a [f32],
+}
+
+/// The conv state after the first `n` of the rows x [T, C]: the last K-1 rows of [conv state ; x[..n]].
+fn conv_state_after(conv_state: &[f32], x: &[f32], n: usize, c: usize) -> Vec<f32> {
+    let keep = conv_state.len() / c;
+    let from_state = keep.saturating_sub(n);
+    let mut w = conv_state[(keep - from_state) * c..].to_vec();
+    w.extend_from_slice(&x[n.saturating_sub(keep) * c..n * c]);
+    w
 }
 
 /// Causal depthwise conv over [conv state ; new rows] + SiLU. Updates the conv state to the
@@ -84,10 +96,15 @@ fn recurrent_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, g: 
     }
 }
 
-/// The chunked form over one head's whole span; updates s and writes out [T, dv].
-fn chunked(s: &mut [f32], h: &HeadInputs, dk: usize, dv: usize, out: &mut [f32]) {
+/// The chunked form over one head's whole span; updates s and writes out [T, dv]. Returns copies
+/// of s after the first m tokens for each m of `marks` (multiples of CHUNK below T, ascending).
+fn chunked(s: &mut [f32], h: &HeadInputs, dk: usize, dv: usize, out: &mut [f32], marks: &[usize]) -> Vec<Vec<f32>> {
     let t_all = h.beta.len();
+    let mut at_marks = Vec::with_capacity(marks.len());
     for c0 in (0..t_all).step_by(CHUNK) {
+        if marks.contains(&c0) {
+            at_marks.push(s.to_vec());
+        }
         let l = CHUNK.min(t_all - c0);
         let q = &h.q[c0 * dk..(c0 + l) * dk];
         let k = &h.k[c0 * dk..(c0 + l) * dk];
@@ -159,6 +176,7 @@ fn chunked(s: &mut [f32], h: &HeadInputs, dk: usize, dv: usize, out: &mut [f32])
             }
         }
     }
+    at_marks
 }
 
 pub fn deltanet(a: GdnArgs<'_>, dims: &DeltaNetDims, eps: f32, layer: usize, batch: &BatchLayout, state: &mut CpuState) -> CpuTensor {
@@ -169,9 +187,14 @@ pub fn deltanet(a: GdnArgs<'_>, dims: &DeltaNetDims, eps: f32, layer: usize, bat
     let qscale = 1.0 / (dk as f32).sqrt();
     let mut out = CpuTensor::zeros(a.qkv.rows, hv * dv);
     for (span, off) in batch.spans.iter().zip(batch.offsets()) {
-        let st = &mut state.slot(span.slot).gdn[layer];
         let t = span.len;
-        let mixed = causal_conv_silu(&a.qkv.data[off * c..(off + t) * c], t, c, kw, a.conv, &mut st.conv);
+        // Captures inside the span, as token offsets at chunk boundaries.
+        let marks: Vec<usize> =
+            state.capture_points(span.slot, span.start, t).into_iter().map(|at| at - span.start).filter(|m| m % CHUNK == 0).collect();
+        let st = &mut state.slot(span.slot).gdn[layer];
+        let x = &a.qkv.data[off * c..(off + t) * c];
+        let conv_at: Vec<Vec<f32>> = marks.iter().map(|&m| conv_state_after(&st.conv, x, m, c)).collect();
+        let mixed = causal_conv_silu(x, t, c, kw, a.conv, &mut st.conv);
         // Gather per value head: q, k of its key head (normalised), v, β, g.
         let heads: Vec<HeadInputs> = (0..hv)
             .into_par_iter()
@@ -202,13 +225,24 @@ pub fn deltanet(a: GdnArgs<'_>, dims: &DeltaNetDims, eps: f32, layer: usize, bat
             .collect();
         // Recurrence per head (each head owns its slice of the state).
         let mut core = vec![0f32; hv * t * dv]; // [Hv, T, dv]
-        st.recurrent.par_chunks_mut(dk * dv).zip(core.par_chunks_mut(t * dv)).zip(heads.par_iter()).for_each(|((s, o), h)| {
-            if t == 1 {
-                recurrent_step(s, &h.q, &h.k, &h.v, h.beta[0], h.g[0], o);
-            } else {
-                chunked(s, h, dk, dv, o);
-            }
-        });
+        let rec_at: Vec<Vec<Vec<f32>>> = st // [Hv][mark][dk·dv]
+            .recurrent
+            .par_chunks_mut(dk * dv)
+            .zip(core.par_chunks_mut(t * dv))
+            .zip(heads.par_iter())
+            .map(|((s, o), h)| {
+                if t == 1 {
+                    recurrent_step(s, &h.q, &h.k, &h.v, h.beta[0], h.g[0], o);
+                    Vec::new()
+                } else {
+                    chunked(s, h, dk, dv, o, &marks)
+                }
+            })
+            .collect();
+        for (i, (&m, conv)) in marks.iter().zip(conv_at).enumerate() {
+            let recurrent = rec_at.iter().flat_map(|head| head[i].iter().copied()).collect();
+            state.fill_capture(span.slot, span.start + m, layer, GdnState { conv, recurrent });
+        }
         // Gated RMSNorm per (token, head): w · norm(o) · silu(z).
         for ti in 0..t {
             let orow = out.row_mut(off + ti);
@@ -222,4 +256,22 @@ pub fn deltanet(a: GdnArgs<'_>, dims: &DeltaNetDims, eps: f32, layer: usize, bat
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conv_state_after_is_what_a_conv_stopping_there_leaves() {
+        let (c, k) = (3, 4);
+        let state: Vec<f32> = (0..(k - 1) * c).map(|i| i as f32).collect();
+        let x: Vec<f32> = (0..7 * c).map(|i| 100.0 + i as f32).collect();
+        let w = vec![0.5; c * k];
+        for n in 0..=7 {
+            let mut s = state.clone();
+            causal_conv_silu(&x[..n * c], n, c, k, &w, &mut s);
+            assert_eq!(conv_state_after(&state, &x, n, c), s, "after {n} rows");
+        }
+    }
 }

@@ -1,5 +1,10 @@
 //! Per-sequence state on the host: a growing KV cache per attention layer, and a conv window
 //! plus an fp32 recurrent state per GDN layer, in slots the engine allocates.
+//!
+//! Prefix-cache snapshots copy a slot's state (`save`), or, for a position inside the span of the
+//! next forward pass (`capture_at`), are filled by the GDN layers during the pass with their
+//! states at that position (`deltanet::deltanet`) and completed with the KV rows before it
+//! afterwards (`take_captures`).
 
 use orchid_model::backend::{StateOptions, StatePool};
 use orchid_model::config::ModelConfig;
@@ -30,8 +35,17 @@ pub struct SeqState {
     pub gdn: Vec<GdnState>,
 }
 
+/// A snapshot asked for inside the span of the next forward pass (`StatePool::capture_at`): the
+/// GDN states at `at`, one per GDN layer, as the pass's layers fill them.
+struct CpuCapture {
+    at: usize,
+    gdn: Vec<Option<GdnState>>,
+}
+
 pub struct CpuState {
     slots: Vec<Option<SeqState>>,
+    /// Per slot: the captures asked for, ascending by position.
+    captures: Vec<Vec<CpuCapture>>,
     /// Positions promised to each slot (`StatePool::promise`).
     promised: Vec<usize>,
     /// KV positions the live sequences may be promised together (`StateOptions::kv_tokens`).
@@ -49,6 +63,7 @@ impl CpuState {
         let d = &cfg.deltanet;
         CpuState {
             slots: (0..opts.max_seqs).map(|_| None).collect(),
+            captures: (0..opts.max_seqs).map(|_| Vec::new()).collect(),
             promised: vec![0; opts.max_seqs],
             kv_limit: opts.kv_tokens,
             max_context: opts.max_context,
@@ -63,6 +78,19 @@ impl CpuState {
     /// The live state in `slot` (panics on a slot the engine did not allocate: an internal bug).
     pub fn slot(&mut self, slot: usize) -> &mut SeqState {
         self.slots[slot].as_mut().expect("state slot is not allocated")
+    }
+
+    /// The positions strictly inside the span [start, start + len) of `slot` where a capture was
+    /// asked for, ascending.
+    pub fn capture_points(&self, slot: usize, start: usize, len: usize) -> Vec<usize> {
+        self.captures[slot].iter().map(|c| c.at).filter(|&at| at > start && at < start + len).collect()
+    }
+
+    /// Stores GDN layer `layer`'s state at `at` in the capture of `slot` at `at`.
+    pub fn fill_capture(&mut self, slot: usize, at: usize, layer: usize, st: GdnState) {
+        if let Some(c) = self.captures[slot].iter_mut().find(|c| c.at == at) {
+            c.gdn[layer] = Some(st);
+        }
     }
 }
 
@@ -88,6 +116,39 @@ impl StatePool for CpuState {
         Ok(CpuSnapshot { state: s.clone(), len })
     }
 
+    fn capture_at(&mut self, slot: usize, at: usize) -> Result<()> {
+        let s =
+            self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        if let Some(c) = s.kv.iter().find(|c| c.len >= at) {
+            return Err(Error::Backend(format!("snapshot at {at} tokens asked for, the cache holds {} already", c.len)));
+        }
+        let caps = &mut self.captures[slot];
+        if let Err(i) = caps.binary_search_by_key(&at, |c| c.at) {
+            caps.insert(i, CpuCapture { at, gdn: vec![None; self.n_gdn] });
+        }
+        Ok(())
+    }
+
+    fn take_captures(&mut self, slot: usize) -> Result<Vec<(usize, CpuSnapshot)>> {
+        let caps = self.captures.get_mut(slot).map(std::mem::take).unwrap_or_default();
+        let s =
+            self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        let w = self.kv_width;
+        caps.into_iter()
+            .map(|c| {
+                let at = c.at;
+                let gdn: Option<Vec<GdnState>> = c.gdn.into_iter().collect();
+                let gdn =
+                    gdn.ok_or_else(|| Error::Backend(format!("the snapshot at {at} tokens was not taken (no span had it inside)")))?;
+                if let Some(kv) = s.kv.iter().find(|kv| kv.len < at) {
+                    return Err(Error::Backend(format!("snapshot at {at} tokens asked for, the cache holds {}", kv.len)));
+                }
+                let kv = s.kv.iter().map(|kv| KvCache { k: kv.k[..at * w].to_vec(), v: kv.v[..at * w].to_vec(), len: at }).collect();
+                Ok((at, CpuSnapshot { state: SeqState { kv, gdn }, len: at }))
+            })
+            .collect()
+    }
+
     fn restore(&mut self, slot: usize, snap: &CpuSnapshot) -> Result<()> {
         let s = self
             .slots
@@ -110,6 +171,7 @@ impl StatePool for CpuState {
     fn alloc(&mut self) -> Option<usize> {
         let i = self.slots.iter().position(Option::is_none)?;
         self.promised[i] = 0;
+        self.captures[i].clear();
         self.slots[i] = Some(SeqState {
             kv: (0..self.n_attn).map(|_| KvCache::default()).collect(),
             gdn: (0..self.n_gdn).map(|_| GdnState { conv: vec![0.0; self.conv_len], recurrent: vec![0.0; self.rec_len] }).collect(),
@@ -121,6 +183,7 @@ impl StatePool for CpuState {
         if let Some(s) = self.slots.get_mut(slot) {
             *s = None;
             self.promised[slot] = 0;
+            self.captures[slot].clear();
         }
     }
 

@@ -245,10 +245,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
 // Each phase's inputs are one cp.async group, issued into its single buffer as soon as the
 // previous chunk's phase has read it, so each lands during the two phases before its use.
 // grid = (Hv, dv / cw), block 256. out [T, Hv*dv] (pre-norm); the state is updated in place.
+// A launch walks chunks [chunk0, chunk1) of the nchunks gdn_chunk_prep prepared: everything a
+// chunk reads and writes is indexed by its number, and S goes through memory in f32 between two
+// launches, so launches over [0, c) and [c, n) compute bit for bit what one over [0, n) does
+// (layers.rs splits the scan where a snapshot is captured).
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs a) {
     extern __shared__ __align__(16) float sm[];
     const int j = blockIdx.x, col0 = blockIdx.y * a.cw, cw = a.cw, tid = threadIdx.x;
     const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk, n = a.nchunks;
+    const int c_begin = a.chunk0, c_end = a.chunk1;  // the chunks this launch walks
     const int KS = dk + 4, VS = cw + 4, QS = CHUNK + 4;  // row strides (16-byte rows)
     float* Ss = sm;                  // [dk][VS]
     float* Vn = Ss + dk * VS;        // [64][VS]
@@ -294,16 +299,16 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
         if (tid < CHUNK / 4) cp_async16(gam + 4 * tid, G + CHUNK * CHUNK + 4 * tid, true);
     };
     for (int i = tid; i < dk * cw; i += 256) Ss[(i / cw) * VS + i % cw] = S[(i64)(i / cw) * dv + col0 + i % cw];
-    if (n > 0) load_a(0);
+    if (c_begin < c_end) load_a(c_begin);
     cp_async_commit();
-    if (n > 0) load_b(0);
+    if (c_begin < c_end) load_b(c_begin);
     cp_async_commit();
     // Phases A and B: output tiles of 2 rows x 4 columns (cw = 32) or 1 x 4 (cw = 16).
     const int cg = cw / 4, rpt = cw / 16;  // column groups, rows per thread
     const int r0 = (tid / cg) * rpt, cc = (tid % cg) * 4;
     // QK is zero above the diagonal: the rows of this warp need QK columns m < mend only.
     const int mend = min(CHUNK, ((((tid | 31) / cg) * rpt + rpt - 1) & ~3) + 4);
-    for (int c = 0; c < n; ++c) {
+    for (int c = c_begin; c < c_end; ++c) {
         const int t0 = c * CHUNK, L = min(CHUNK, a.T - t0);
         cp_async_wait<1>();  // W, U, Q of chunk c (pending: QK, γ of chunk c)
         __syncthreads();     // and phase C of chunk c−1 is done: S complete, K buffer free
@@ -338,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
         }
         cp_async_wait<1>();  // QK, γ of chunk c (pending: K of chunk c)
         __syncthreads();     // Vn complete; W, U, Q buffers free
-        if (c + 1 < n) load_a(c + 1);
+        if (c + 1 < c_end) load_a(c + 1);
         cp_async_commit();
         // B: O_i = e^{γ_i} q_i·S + Σ_{m≤i} QK[i][m] Vn_m; the decay factors of phase C.
         float el;
@@ -371,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
         }
         cp_async_wait<1>();  // K of chunk c (pending: W, U, Q of chunk c+1)
         __syncthreads();     // fac written; QK, γ buffers free
-        if (c + 1 < n) load_b(c + 1);
+        if (c + 1 < c_end) load_b(c + 1);
         cp_async_commit();
         // C: S ← e^{γ_last} S + Σ_{m<L} e^{γ_last−γ_m} k_m ⊗ Vn_m, 4x8 tiles of [dk][cw] (for the
         // 35B: 128 tiles, threads 0..127; 13 loads per 32 FMAs).

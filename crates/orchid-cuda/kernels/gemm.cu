@@ -409,7 +409,8 @@ DEVI void gemm_body(const GemmArgs& a) {
                 if (split) o[(i64)tk * a.ldo + a.ldo / 2] = u;
                 else v = v / (1.f + expf(-v)) * u;
             }
-            o[(i64)tk * a.ldo] = v;
+            // a.acc (one pass, not PAIR): the residual plus the product, as add_assign adds.
+            o[(i64)tk * a.ldo] = a.acc ? o[(i64)tk * a.ldo] + v : v;
         }
     }
 }

@@ -171,6 +171,25 @@ pub fn deltanet(
             dn::decode(c, &a)?;
             continue;
         }
+        // Snapshots asked for inside the span (`StatePool::capture_at`) get what a pass ending at
+        // their position leaves: both conv buffers as before this span, the one such a pass
+        // writes holding the inputs of the KC−1 positions before it (rows of this span), and the
+        // recurrent state after the chunk ending there (the scan below stops there).
+        let caps = state.captures_in(span.slot, layer, span.start, t)?;
+        if let Some(cap) = caps.iter().find(|cap| !cap.offset.is_multiple_of(dn::CHUNK)) {
+            return Err(Error::Op {
+                op: "deltanet",
+                msg: format!("a capture {} tokens into a span is not at a chunk boundary", cap.offset),
+            });
+        }
+        let window = (kc - 1) * cdim * 4;
+        for cap in &caps {
+            copy_d2d(b.gpu(), cap.conv, conv_base, 2 * conv_len * 4)?;
+            if window > 0 {
+                let dst = cap.conv + (((span.start + cap.offset) & 1) * conv_len * 4) as u64;
+                copy_d2d(b.gpu(), dst, inp.qkv.row_ptr(off + cap.offset + 1 - kc), window)?;
+            }
+        }
         let xc = b.tensor(t, cdim)?;
         let tmp = DevBuf::alloc(b.gpu(), conv_len * 4)?;
         dn::conv(
@@ -213,29 +232,46 @@ pub fn deltanet(
         let core = b.tensor(t, hv * dv)?;
         // Spans longer than CHUNK_SPAN_MAX tokens run as several prep + scan pairs in order (the
         // state passes through memory in between), so the scratch never exceeds that many tokens.
+        // The scan of a piece also stops at each capture in it, for a copy of the state there.
         let piece = t.min(dn::CHUNK_SPAN_MAX);
         let scratch = DevBuf::alloc(b.gpu(), dn::chunk_scratch_bytes(hv, dk, dv, piece))?;
         for p0 in (0..t).step_by(piece) {
             let n = piece.min(t - p0);
-            dn::chunk(
-                c,
-                &dn::ChunkArgs {
-                    x: xc.ptr() + (p0 * cdim * 4) as u64,
-                    beta: beta.ptr + (p0 * hv * 4) as u64,
-                    gdec: gdec.ptr + (p0 * hv * 4) as u64,
-                    state: rec,
-                    out: core.ptr() + (p0 * hv * dv * 4) as u64,
-                    scratch: scratch.ptr,
-                    t: n as i32,
-                    hk: hk as i32,
-                    hv: hv as i32,
-                    dk: dk as i32,
-                    dv: dv as i32,
-                    c: cdim as i32,
-                    cw: dn::chunk_cols(dv) as i32,
-                    nchunks: dn::chunk_count(n) as i32,
-                },
-            )?;
+            let nchunks = dn::chunk_count(n) as i32;
+            let args = dn::ChunkArgs {
+                x: xc.ptr() + (p0 * cdim * 4) as u64,
+                beta: beta.ptr + (p0 * hv * 4) as u64,
+                gdec: gdec.ptr + (p0 * hv * 4) as u64,
+                state: rec,
+                out: core.ptr() + (p0 * hv * dv * 4) as u64,
+                scratch: scratch.ptr,
+                t: n as i32,
+                hk: hk as i32,
+                hv: hv as i32,
+                dk: dk as i32,
+                dv: dv as i32,
+                c: cdim as i32,
+                cw: dn::chunk_cols(dv) as i32,
+                nchunks,
+                chunk0: 0,
+                chunk1: nchunks,
+            };
+            dn::chunk_prep(c, &args)?;
+            let mut done = 0;
+            for cap in caps.iter().filter(|cap| cap.offset > p0 && cap.offset <= p0 + n) {
+                let stop = ((cap.offset - p0) / dn::CHUNK) as i32;
+                if stop > done {
+                    dn::chunk_scan(c, &dn::ChunkArgs { chunk0: done, chunk1: stop, ..args })?;
+                    done = stop;
+                }
+                copy_d2d(b.gpu(), cap.rec, rec, state.rec_len * 4)?;
+            }
+            if done < nchunks {
+                dn::chunk_scan(c, &dn::ChunkArgs { chunk0: done, ..args })?;
+            }
+        }
+        for cap in &caps {
+            state.captured(span.slot, layer, span.start + cap.offset)?;
         }
         dn::gated_norm(
             c,

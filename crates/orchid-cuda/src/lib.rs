@@ -290,12 +290,8 @@ impl Backend for CudaBackend {
             // The matvec accumulates into the residual.
             return ops::gemv::gemv_rows(&self.ctx, &[(w, 0)], y.ptr(), y.cols, y.rows, None, x.ptr(), x.cols, true);
         }
-        // A split-K GEMM's reduction adds onto the residual.
-        if ops::gemm::matmul_add_split(&self.ctx, w, y.ptr(), y.cols, y.rows, x.ptr(), x.cols)? {
-            return Ok(());
-        }
-        let p = self.matmul(y, w)?;
-        self.add_assign(x, &p)
+        // The GEMM adds onto the residual (in its store, or in its split-K reduction).
+        ops::gemm::matmul_add(&self.ctx, w, y.ptr(), y.cols, y.rows, x.ptr(), x.cols)
     }
 
     fn moe_block(&self, x: &mut CudaTensor, norm: &GpuVec, eps: f32, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<()> {

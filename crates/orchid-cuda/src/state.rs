@@ -13,6 +13,9 @@
 //! (references, no copy); a restore copies the GDN states back and maps the shared blocks into
 //! the new slot's table. Every sequence only ever writes positions past its restored length,
 //! which lie in blocks of its own, so shared blocks are never written (no copy-on-write needed).
+//! A snapshot at a position inside the span of the next forward pass (`capture_at`) gets its GDN
+//! buffer when asked for; the pass's GDN layers write their states at that position into it
+//! (`layers::deltanet`), and `take_captures` adds the KV block references after the pass.
 //!
 //! Sizing ([`plan_memory`]): orchid may use `StateOptions::memory_utilization` (F) of the GPU's
 //! total memory in all, weights included, like vLLM's `--gpu-memory-utilization`; the state gets
@@ -185,12 +188,32 @@ pub struct CudaSnapshot {
     len: usize,
 }
 
+/// A snapshot asked for inside the span of the next forward pass (`StatePool::capture_at`): its
+/// GDN buffer (the layout of `CudaSnapshot::gdn`) and which GDN layers have written it.
+struct CudaCapture {
+    at: usize,
+    gdn: DevBuf,
+    written: Vec<bool>,
+}
+
+/// Where GDN layer `layer` writes a capture (`CudaState::captures_in`).
+#[derive(Clone, Copy, Debug)]
+pub struct CaptureDst {
+    /// The position, as an offset from the span's start.
+    pub offset: usize,
+    /// The layer's conv states [2][(K-1)·C] and recurrent state in the capture.
+    pub conv: u64,
+    pub rec: u64,
+}
+
 pub struct SlotState {
     /// Tokens in the KV cache, per attention layer.
     pub attn_len: Vec<usize>,
     pub blocks: Vec<u32>,
     /// Blocks promised to this slot in all (`StatePool::promise`), taken or not.
     pub promised: usize,
+    /// Captures asked for (`StatePool::capture_at`), ascending by position.
+    captures: Vec<CudaCapture>,
 }
 
 pub struct CudaState {
@@ -310,6 +333,30 @@ impl CudaState {
         self.rec.ptr + (((slot * self.n_gdn + layer) * self.rec_len) * 4) as u64
     }
 
+    /// The captures of `slot` strictly inside its span [start, start + len), ascending, with
+    /// where GDN layer `layer` writes them.
+    pub fn captures_in(&self, slot: usize, layer: usize, start: usize, len: usize) -> Result<Vec<CaptureDst>> {
+        let (conv_bytes, _) = self.gdn_bytes();
+        let caps = &self.slot(slot)?.captures;
+        Ok(caps
+            .iter()
+            .filter(|c| c.at > start && c.at < start + len)
+            .map(|c| CaptureDst {
+                offset: c.at - start,
+                conv: c.gdn.ptr + (layer * 2 * self.conv_len * 4) as u64,
+                rec: c.gdn.ptr + (conv_bytes + layer * self.rec_len * 4) as u64,
+            })
+            .collect())
+    }
+
+    /// Records that GDN layer `layer` wrote the capture of `slot` at `at`.
+    pub fn captured(&mut self, slot: usize, layer: usize, at: usize) -> Result<()> {
+        if let Some(c) = self.slot_mut(slot)?.captures.iter_mut().find(|c| c.at == at) {
+            c.written[layer] = true;
+        }
+        Ok(())
+    }
+
     /// Floats from a slot's conv states to the next slot's (`conv_ptr`).
     pub fn conv_slot_stride(&self) -> usize {
         self.n_gdn * 2 * self.conv_len
@@ -373,6 +420,12 @@ impl CudaState {
         (self.n_gdn * 2 * self.conv_len * 4, self.n_gdn * self.rec_len * 4)
     }
 
+    /// KV blocks a snapshot of `len` positions refers to, a partial last one included (none
+    /// without attention layers).
+    fn snapshot_blocks(&self, len: usize) -> usize {
+        if self.n_attn == 0 { 0 } else { len.div_ceil(KV_BLOCK) }
+    }
+
     /// Drops one reference to each block; a block nobody holds goes back to the free list.
     fn unref_blocks(&mut self, blocks: &[u32]) {
         for &b in blocks.iter().rev() {
@@ -433,7 +486,7 @@ impl StatePool for CudaState {
         if !ok {
             return None;
         }
-        self.slots[i] = Some(SlotState { attn_len: vec![0; self.n_attn], blocks: Vec::new(), promised: 0 });
+        self.slots[i] = Some(SlotState { attn_len: vec![0; self.n_attn], blocks: Vec::new(), promised: 0, captures: Vec::new() });
         Some(i)
     }
 
@@ -540,7 +593,7 @@ impl StatePool for CudaState {
         if s.attn_len.iter().any(|&l| l != len) {
             return Err(Error::Backend(format!("snapshot of {len} tokens asked for, the cache holds {:?}", s.attn_len)));
         }
-        let blocks = s.blocks[..len.div_ceil(KV_BLOCK)].to_vec();
+        let blocks = s.blocks[..self.snapshot_blocks(len)].to_vec();
         let (conv_bytes, rec_bytes) = self.gdn_bytes();
         self.gpu.bind()?;
         let gdn = DevBuf::alloc(&self.gpu, conv_bytes + rec_bytes)?;
@@ -550,6 +603,44 @@ impl StatePool for CudaState {
             self.refs[b as usize] += 1;
         }
         Ok(CudaSnapshot { gdn, blocks, len })
+    }
+
+    fn capture_at(&mut self, slot: usize, at: usize) -> Result<()> {
+        if !at.is_multiple_of(KV_BLOCK) {
+            return Err(Error::Backend(format!("a snapshot is taken at a multiple of {KV_BLOCK} positions, not {at}")));
+        }
+        let s = self.slot(slot)?;
+        if s.attn_len.iter().any(|&l| l >= at) {
+            return Err(Error::Backend(format!("snapshot at {at} tokens asked for, the cache holds {:?} already", s.attn_len)));
+        }
+        let Err(i) = s.captures.binary_search_by_key(&at, |c| c.at) else { return Ok(()) };
+        let (conv_bytes, rec_bytes) = self.gdn_bytes();
+        self.gpu.bind()?;
+        let gdn = DevBuf::alloc(&self.gpu, conv_bytes + rec_bytes)?;
+        let written = vec![false; self.n_gdn];
+        self.slot_mut(slot)?.captures.insert(i, CudaCapture { at, gdn, written });
+        Ok(())
+    }
+
+    fn take_captures(&mut self, slot: usize) -> Result<Vec<(usize, CudaSnapshot)>> {
+        let s = self.slot_mut(slot)?;
+        let caps = std::mem::take(&mut s.captures);
+        if let Some(c) = caps.iter().find(|c| c.written.contains(&false)) {
+            return Err(Error::Backend(format!("the snapshot at {} tokens was not taken (no span had it inside, chunk-aligned)", c.at)));
+        }
+        if let Some(c) = caps.iter().find(|c| s.attn_len.iter().any(|&l| l < c.at)) {
+            return Err(Error::Backend(format!("snapshot at {} tokens asked for, the cache holds {:?}", c.at, s.attn_len)));
+        }
+        let held = s.blocks.clone();
+        let mut out = Vec::with_capacity(caps.len());
+        for c in caps {
+            let blocks = held[..self.snapshot_blocks(c.at)].to_vec();
+            for &b in &blocks {
+                self.refs[b as usize] += 1;
+            }
+            out.push((c.at, CudaSnapshot { gdn: c.gdn, blocks, len: c.at }));
+        }
+        Ok(out)
     }
 
     fn restore(&mut self, slot: usize, snap: &CudaSnapshot) -> Result<()> {

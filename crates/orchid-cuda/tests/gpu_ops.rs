@@ -177,6 +177,12 @@ fn matmul_split_k() {
                 let y3 = gemm_parts(&g, &gw, None, &xp, t, 3);
                 let sum3: Vec<f32> = r.iter().zip(&y3).map(|(a, b)| a + b).collect();
                 report_same(&format!("split-K accumulate = residual + product {tag}"), &host(&g, &acc), &sum3);
+                // One pass that adds in its store.
+                let acc1 = up(&g, t, n, &r);
+                gemm::gemm_split(&g.ctx, &gw, None, &xp, t, acc1.ptr(), n, 1, true).unwrap();
+                let y1 = gemm_parts(&g, &gw, None, &xp, t, 1);
+                let sum1: Vec<f32> = r.iter().zip(&y1).map(|(a, b)| a + b).collect();
+                report_same(&format!("one-pass accumulate = residual + product {tag}"), &host(&g, &acc1), &sum1);
             }
         }
     }
@@ -488,6 +494,132 @@ fn deltanet_chunked_prefill_equals_token_by_token() {
     let n0 = run(&mut st, s0, 0, 1);
     let n1 = run(&mut st, s1, 0, 1);
     report("deltanet state after chunked == after decode", rel_l2(&n0, &n1), 2e-3);
+}
+
+/// A snapshot captured inside a prefill span (`StatePool::capture_at`): the scan of the span runs
+/// in launches that stop at each capture's chunk (a copy of the state between them), then goes on.
+/// Checked bit for bit, for the 35B's GDN shape and a small one: (1) outputs and final conv and
+/// recurrent states equal those of the same span without captures (the scan split at inner chunks
+/// == the unsplit scan); (2) the outputs equal those of passes split at the captures (every GDN
+/// kernel of a span computes each row or chunk on its own, the chunks counted from the span's
+/// start); (3) each captured snapshot, restored, equals the one `save` takes after a pass ending
+/// at its position: the recurrent state after the same chunks (f32 in memory between launches,
+/// the same arithmetic per chunk), both conv buffers as the split pass leaves them (the one it
+/// writes holds the inputs of the last KC−1 positions, copied). The small shape runs a span past
+/// CHUNK_SPAN_MAX (two prep + scan pieces) with a capture at the pieces' boundary and one inside
+/// the second piece; the 35B shape's capturing pass has another sequence's span before it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deltanet_capture_inside_a_span() {
+    use orchid_cuda::driver::{DevBuf, copy_d2d};
+    use orchid_model::batch::SeqSpan;
+    let g = gpu();
+    let mut rng = Rng::new(11);
+    // (shape, prompt length, first pass, captures, another span in the capturing pass)
+    let cases = [
+        (GdnCase { hk: 16, hv: 32, dk: 128, dv: 128 }, 300, 64, vec![128, 192, 256], true),
+        (GdnCase { hk: 3, hv: 6, dk: 32, dv: 48 }, 4288, 0, vec![128, 4096, 4160], false),
+    ];
+    for (cs_, t, first, points, mate) in cases {
+        let cfg = config(64, 64, 1, (2, 1, 64), (cs_.hk, cs_.hv, cs_.dk, cs_.dv), (4, 2, 64, 0), 1000);
+        let dims = cfg.deltanet.clone();
+        let (cdim, kc, hv, dv) = (dims.conv_dim(), dims.conv_kernel, dims.num_v_heads, dims.v_head_dim);
+        let vecs = [rng.vec(cdim * kc, 0.5), (0..hv).map(|_| (1.0 + 7.5 * (rng.next() + 1.0)).ln()).collect(), rng.vec(hv, 0.5), {
+            rng.vec(dv, 0.2).iter().map(|x| 1.0 + x).collect()
+        }];
+        let gv: Vec<_> = vecs.iter().map(|v| g.upload_vector(v).unwrap()).collect();
+        // Per-token inputs of the prompt and of the other sequence: qkv, z, b, a.
+        let mut inputs = |n: usize| [rng.vec(n * cdim, 1.0), rng.vec(n * hv * dv, 2.0), rng.vec(n * hv, 2.0), rng.vec(n * hv, 2.0)];
+        let (xs, other) = (inputs(t), inputs(100));
+        let widths = [cdim, hv * dv, hv, hv];
+        // One forward call of the layer over spans (slot, start, end, inputs); the output rows.
+        let fwd = |st: &mut orchid_cuda::CudaState, spans: &[(usize, usize, usize, &[Vec<f32>; 4])]| -> Vec<f32> {
+            let gt: Vec<CudaTensor> = (0..4)
+                .map(|i| {
+                    let rows: usize = spans.iter().map(|s| s.2 - s.1).sum();
+                    let v: Vec<f32> = spans.iter().flat_map(|s| s.3[i][s.1 * widths[i]..s.2 * widths[i]].to_vec()).collect();
+                    up(&g, rows, widths[i], &v)
+                })
+                .collect();
+            let gi = DeltaNetInputs::<CudaBackend> {
+                qkv: &gt[0],
+                z: &gt[1],
+                b: &gt[2],
+                a: &gt[3],
+                conv: &gv[0],
+                a_log: &gv[1],
+                dt_bias: &gv[2],
+                norm: &gv[3],
+            };
+            let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.1, len: s.2 - s.1 }).collect() };
+            host(&g, &g.deltanet(gi, &dims, 1e-6, 0, &batch, st).unwrap())
+        };
+        // A slot's GDN layer as bits: both conv buffers, then the recurrent state.
+        let slot_bits = |st: &orchid_cuda::CudaState, slot: usize| -> Vec<u32> {
+            let (conv, rec) = (2 * st.conv_len * 4, st.rec_len * 4);
+            let buf = DevBuf::alloc(g.gpu(), conv + rec).unwrap();
+            copy_d2d(g.gpu(), buf.ptr, st.conv_ptr(slot, 0), conv).unwrap();
+            copy_d2d(g.gpu(), buf.ptr + conv as u64, st.rec_ptr(slot, 0), rec).unwrap();
+            let mut v = vec![0u32; (conv + rec) / 4];
+            buf.download(0, bytemuck::cast_slice_mut(&mut v)).unwrap();
+            v
+        };
+        let differing = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+        let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let name = format!("deltanet capture Hv={hv} dk={} dv={dv} T={t} at {points:?}", cs_.dk);
+        let mut st = g.new_state(&cfg, StateOptions::new(6, 8192)).unwrap();
+        let slots: Vec<usize> = (0..6).map(|_| st.alloc().unwrap()).collect();
+        let (o, a, b, c, d, e) = (slots[0], slots[1], slots[2], slots[3], slots[4], slots[5]);
+        // a: one pass over [first, t) capturing at `points`; b: the same without captures.
+        let mut tail = [Vec::new(), Vec::new()];
+        for (k, slot) in [a, b].into_iter().enumerate() {
+            if first > 0 {
+                fwd(&mut st, &[(slot, 0, first, &xs)]);
+            }
+            if slot == a {
+                for &p in points.iter().rev() {
+                    st.capture_at(slot, p).unwrap();
+                }
+            }
+            let out = if mate && slot == a {
+                let both = fwd(&mut st, &[(o, 0, 100, &other), (slot, first, t, &xs)]);
+                both[100 * hv * dv..].to_vec()
+            } else {
+                fwd(&mut st, &[(slot, first, t, &xs)])
+            };
+            tail[k] = to_bits(&out);
+        }
+        let caps = st.take_captures(a).unwrap();
+        assert_eq!(caps.iter().map(|c| c.0).collect::<Vec<_>>(), points, "{name}: captured positions");
+        report(&format!("{name}: outputs vs no capture, differing"), differing(&tail[0], &tail[1]) as f64, 0.0);
+        report(&format!("{name}: final state vs no capture, differing"), differing(&slot_bits(&st, a), &slot_bits(&st, b)) as f64, 0.0);
+        // c: passes split at the captures, a snapshot saved after each.
+        let mut split = Vec::new();
+        let mut saved = Vec::new();
+        if first > 0 {
+            fwd(&mut st, &[(c, 0, first, &xs)]);
+        }
+        let mut lo = first;
+        for &hi in points.iter().chain([&t]) {
+            split.extend(fwd(&mut st, &[(c, lo, hi, &xs)]));
+            if hi < t {
+                saved.push(st.save(c, hi).unwrap());
+            }
+            lo = hi;
+        }
+        report(&format!("{name}: outputs vs split passes, differing"), differing(&to_bits(&split), &tail[1]) as f64, 0.0);
+        for ((at, cap), snap) in caps.into_iter().zip(saved) {
+            st.restore(d, &cap).unwrap();
+            st.restore(e, &snap).unwrap();
+            let n = differing(&slot_bits(&st, d), &slot_bits(&st, e));
+            report(&format!("{name}: snapshot at {at} vs saved after a pass ending there, differing"), n as f64, 0.0);
+            for (s, snap) in [(d, cap), (e, snap)] {
+                st.release(snap);
+                st.free(s);
+                assert_eq!(st.alloc(), Some(s));
+            }
+        }
+    }
 }
 
 /// The two batched decode kernels (`RowsKernel::Blocks`, `Stream`) on the same random states and

@@ -3,11 +3,13 @@
 //! the repository root or this crate's checkout). Skipped without a GPU.
 //!
 //! The same greedy requests run on an engine with the cache on and one with it off: a prompt and
-//! its repeat, a longer prompt extending it, four concurrent requests sharing a prefix, the next
-//! turn after a finished generation, then a request cancelled mid-generation. Tokens must agree;
-//! the split of a prefill at a snapshot point may change bf16 rounding on the GPU, so at a first
-//! differing token the difference is accepted only if the cache-off run's top-2 log-probabilities
-//! there are within 0.05 of each other (a near tie). Cached-token counts must be the block-aligned
+//! its repeat, a longer prompt extending it, a prompt sharing part of the first (its snapshot at
+//! the shared part's end is captured inside a prefill span) and one restoring that snapshot, four
+//! concurrent requests sharing a prefix, the next turn after a finished generation, then a request
+//! cancelled mid-generation. Tokens must agree; a restored request's prefill spans start at the
+//! restored length, unlike a full prefill's, which may change bf16 rounding on the GPU, so at a
+//! first differing token the difference is accepted only if the cache-off run's top-2
+//! log-probabilities there are within 0.05 of each other (a near tie). Cached-token counts must be the block-aligned
 //! ones; after everything finished, no state is held by sequences. Prints `PARITY PASS|FAIL ...`.
 
 mod common;
@@ -136,7 +138,16 @@ fn prefix_cache_matches_no_cache() {
     let mut fails = 0;
     let base = ids(&tok, 1, 300);
     let longer = cat(&base, &ids(&tok, 2, 90));
-    for (name, p, want) in [("first", &base, 0), ("repeat", &base, 256), ("extends", &longer, 256)] {
+    // Sharing 200 tokens: snapshots at 192 (inside the span [128, 256)) and 256; the next one hits 192.
+    let shares = cat(&base[..200], &ids(&tok, 3, 70));
+    let again = cat(&base[..200], &ids(&tok, 4, 70));
+    for (name, p, want) in [
+        ("first", &base, 0),
+        ("repeat", &base, 256),
+        ("extends", &longer, 256),
+        ("shares 200, first", &shares, 0),
+        ("shares 200, again", &again, 192),
+    ] {
         agree(name, &run(&on, p, 16), &run(&off, p, 16), want, &mut fails);
     }
     // Four concurrent requests restoring the same shared KV blocks.

@@ -9,13 +9,16 @@
 //! is running.
 //!
 //! Prefix cache (`prefix_cache`, on by default). A request whose prompt starts with a cached
-//! prefix gets that prefix's saved state copied into its slot and prefills only
-//! the rest. Prefill spans are split at snapshot points (multiples of 64 tokens, never leaving
-//! a one-token span), which changes nothing on the CPU backend: with a prefill chunk that is a
-//! multiple of 64, greedy output is bit-identical with the cache on and off. Snapshots are taken
-//! at the end of the shared part of a prompt, every few thousand tokens, at the prompt's last
-//! block boundary, at the last block boundary a generation reached, and where a finished
-//! generation ended (the one kept, for the conversation's next turn). See docs/prefix-cache.md.
+//! prefix gets that prefix's saved state copied into its slot and prefills only the rest.
+//! Snapshots are taken at the end of the shared part of a prompt, every few thousand tokens, at
+//! the prompt's last block boundary (all multiples of 64 tokens), at the last block boundary a
+//! generation reached, and where a finished generation ended (the one kept, for the
+//! conversation's next turn). A snapshot point inside a prefill span does not split the span:
+//! the forward pass captures the state there (`StatePool::capture_at`, taken afterwards with
+//! `take_captures`); one at a span's end is saved after the pass (`StatePool::save`). With the
+//! prefill chunk a multiple of 64 (the default 512) spans start at multiples of 64, so the
+//! prompts' spans, and with them greedy output on the CPU backend, are bit for bit those of a
+//! run without the cache, restored prefixes aside. See docs/prefix-cache.md.
 //!
 //! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`:
 //! captured decode graphs with sampling on the GPU). When every decoding sequence can be served
@@ -53,6 +56,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
+use orchid_model::backend::GDN_CHUNK;
 use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode, LogitRows, Model, SeqSpan, StateOptions, StatePool};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
@@ -509,22 +513,30 @@ impl<S> Seq<S> {
         }
         self.sampler.sample(logits, valid)
     }
-    /// Tokens of the next prefill span: `chunk` tokens, or up to the next snapshot point or the
-    /// end of the prompt. A span never leaves exactly one prompt token after it (that token would
-    /// run through the one-token path, which rounds differently from a longer span). Spans start
-    /// at block boundaries (multiples of 64, where a restored prefix ends), and every op computes
-    /// a span's rows as a full prefill would, so a restored sequence needs no chunk alignment
-    /// with a full prefill: its first token comes after one forward pass.
+    /// Tokens of the next prefill span: `chunk` tokens, or up to the end of the prompt. A span
+    /// never leaves exactly one prompt token after it (that token would run through the one-token
+    /// path, which rounds differently from a longer span). Every op computes a span's rows as a
+    /// full prefill would when spans start at multiples of 64 (where a restored full entry ends,
+    /// and where spans of a prefill chunk that is a multiple of 64 end), so a restored sequence needs
+    /// no chunk alignment with a full prefill: its first token comes after one forward pass.
+    /// The pass captures the snapshots at the save points inside the span (`capture_at`), which
+    /// must lie a whole number of GDN chunks after its start; the span stops at a save point
+    /// that does not (only with a prefill chunk that is not a multiple of 64).
     fn next_span(&self, chunk: usize) -> usize {
         let len = self.prompt.len();
         let mut end = (self.prefilled + chunk).min(len);
         if end + 1 == len {
             end = len;
         }
-        if let Some(&p) = self.save_points.first() {
-            end = end.min(p);
+        if let Some(&p) = self.save_points.iter().find(|&&p| p < end && !(p - self.prefilled).is_multiple_of(GDN_CHUNK)) {
+            end = p;
         }
         end - self.prefilled
+    }
+    /// The save points strictly inside a span of `n` tokens from `prefilled`: the forward pass
+    /// captures them.
+    fn inner_points(&self, n: usize) -> impl Iterator<Item = usize> + '_ {
+        self.save_points.iter().copied().filter(move |&p| p < self.prefilled + n)
     }
     /// The first `n` tokens of prompt + generated.
     fn tokens(&self, n: usize) -> Vec<u32> {
@@ -719,13 +731,29 @@ impl<B: Backend> Engine<B> {
         (cached, points)
     }
 
-    /// Saves the state of `self.running[i]` (which holds `len` tokens) into the cache.
-    fn save_prefix(&mut self, i: usize, len: usize) {
+    /// After a prefill span of `self.running[i]`: puts the snapshots at the save points it
+    /// passed into the cache, those inside the span as the forward pass captured them, the one at
+    /// its end saved now.
+    fn save_prefixes(&mut self, i: usize) {
+        let s = &mut self.running[i];
+        let (len, slot) = (s.prefilled, s.slot);
+        let passed: Vec<usize> = s.save_points.drain(..s.save_points.partition_point(|&p| p <= len)).collect();
         let Some(cache) = self.cache.as_mut() else { return };
-        let s = &self.running[i];
-        match self.state.save(s.slot, len) {
-            Ok(snap) => cache.insert(&mut self.state, &s.tokens(len), snap),
-            Err(e) => tracing::warn!("prefix cache: snapshot at {len} tokens failed ({e})"),
+        let mut snaps = Vec::new();
+        if passed.first().is_some_and(|&p| p < len) {
+            match self.state.take_captures(slot) {
+                Ok(c) => snaps = c,
+                Err(e) => tracing::warn!("prefix cache: snapshots inside the prefill span failed ({e})"),
+            }
+        }
+        if passed.last() == Some(&len) {
+            match self.state.save(slot, len) {
+                Ok(snap) => snaps.push((len, snap)),
+                Err(e) => tracing::warn!("prefix cache: snapshot at {len} tokens failed ({e})"),
+            }
+        }
+        for (n, snap) in snaps {
+            cache.insert(&mut self.state, &self.running[i].tokens(n), snap);
         }
     }
 
@@ -802,6 +830,11 @@ impl<B: Backend> Engine<B> {
                 }
                 ids.extend_from_slice(&s.prompt[s.prefilled..s.prefilled + n]);
                 spans.push(SeqSpan { slot: s.slot, start: s.prefilled, len: n });
+                for p in s.inner_points(n) {
+                    if let Err(e) = self.state.capture_at(s.slot, p) {
+                        tracing::warn!("prefix cache: snapshot at {p} tokens failed ({e})");
+                    }
+                }
                 members.push(i);
                 budget = budget.saturating_sub(n);
                 if budget == 0 {
@@ -850,11 +883,7 @@ impl<B: Backend> Engine<B> {
             let s = &mut self.running[i];
             if !s.decoding() {
                 s.prefilled += span.len;
-                let at = s.prefilled;
-                if s.save_points.first() == Some(&at) {
-                    s.save_points.remove(0);
-                    self.save_prefix(i, at);
-                }
+                self.save_prefixes(i);
                 if !self.running[i].decoding() {
                     continue;
                 }

@@ -18,7 +18,9 @@
 //! The cache also remembers which block keys it has seen in earlier prompts (without their
 //! states): a new prompt that shares a prefix with an earlier one saves a snapshot where the
 //! shared part ends, so the next request with that prefix (a shared system prompt) hits it.
-//! See docs/prefix-cache.md.
+//!
+//! Taking a snapshot costs no extra forward pass: one inside a prefill span is captured by the
+//! pass, one at its end saved after it (the engine's `save_prefixes`). See docs/prefix-cache.md.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -26,14 +28,13 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use orchid_model::StatePool;
 
 /// Tokens per block: snapshots are taken at multiples of it. 64 is the CUDA KV block and the
-/// chunk of the GDN prefill on both backends, so a prefill split at a block boundary computes
-/// what an unsplit one computes.
+/// chunk of the GDN prefill on both backends (`orchid_model::backend::GDN_CHUNK`), so a span
+/// that starts at a block boundary has a GDN state at each block boundary inside it, which the
+/// forward pass can capture.
 pub const BLOCK: usize = 64;
 
 /// Besides prompt ends and shared-prefix ends, a long prompt is snapshotted every this many tokens.
 pub const INTERVAL: usize = 4096;
-/// See [`save_points`].
-pub const SHORT_TAIL: usize = 1024;
 
 /// At most this many remembered block keys (the set is cleared when it grows past it).
 const MAX_SEEN: usize = 1 << 20;
@@ -198,21 +199,23 @@ impl<P: StatePool> PrefixCache<P> {
 /// The snapshot points of a prompt of `len` tokens whose first `restored` tokens came from the
 /// cache, given how many of its leading blocks earlier prompts shared (`seen`): the end of the
 /// shared part, every [`INTERVAL`] tokens, and the last block boundary of the prompt. A point
-/// never leaves exactly one prompt token after it (that token would run through the one-token
-/// path, which rounds differently from a longer span), so the split changes nothing.
+/// never leaves exactly one prompt token after it: where a prefill has to stop at a point (a
+/// prefill chunk that is not a multiple of 64, see the engine's `next_span`), that token would run
+/// through the one-token path, which rounds differently from a longer span.
 ///
-/// The last block boundary is skipped when a restored prompt has at most [`SHORT_TAIL`] tokens
-/// left: the next turn of a conversation then restores from the snapshot its generation leaves,
-/// and this turn's first token comes after one forward pass instead of two.
+/// A prompt restored from a partial entry (the next turn of a conversation, restored where the
+/// last generation ended) takes none: its spans start inside a block, so a block boundary is
+/// never a chunk boundary of its prefill and would cost a second forward pass. The snapshot its
+/// own generation leaves where it ends serves the turn after it.
 pub fn save_points(len: usize, restored: usize, seen: usize) -> Vec<usize> {
-    // At least a block past the restored prefix (which may end mid-block: a partial entry).
-    let ok = |p: usize| p >= restored + BLOCK && p.is_multiple_of(BLOCK) && (p == len || p + 2 <= len);
+    if !restored.is_multiple_of(BLOCK) {
+        return Vec::new();
+    }
+    let ok = |p: usize| p > restored && p.is_multiple_of(BLOCK) && (p == len || p + 2 <= len);
     let last = |p: usize| if p + 1 == len { p.saturating_sub(BLOCK) } else { p };
     let mut pts: Vec<usize> = (1..).map(|k| k * INTERVAL).take_while(|&p| p <= len).collect();
     pts.push(last((seen * BLOCK).min(len / BLOCK * BLOCK)));
-    if restored == 0 || len - restored > SHORT_TAIL {
-        pts.push(last(len / BLOCK * BLOCK));
-    }
+    pts.push(last(len / BLOCK * BLOCK));
     pts.retain(|&p| ok(p));
     pts.sort_unstable();
     pts.dedup();
@@ -244,11 +247,19 @@ mod tests {
         assert_eq!(save_points(200, 0, 0), vec![192]);
         assert_eq!(save_points(193, 0, 0), vec![128]);
         assert_eq!(save_points(192, 0, 1), vec![64, 192]);
-        assert_eq!(save_points(192, 128, 1), Vec::<usize>::new());
+        assert_eq!(save_points(192, 128, 1), vec![192]);
         assert_eq!(save_points(2000, 128, 1), vec![1984]);
+        // A restored prompt with a short rest saves its last block boundary too.
+        assert_eq!(save_points(300, 192, 3), vec![256]);
+        assert_eq!(save_points(260, 192, 0), vec![256]);
+        assert_eq!(save_points(258, 256, 4), Vec::<usize>::new());
+        // Every INTERVAL tokens, the shared part's end and the last block boundary.
+        assert_eq!(save_points(9000, 0, 10), vec![640, 4096, 8192, 8960]);
+        // A point one token before the end moves back a block.
+        assert_eq!(save_points(8193, 0, 0), vec![4096, 8128]);
         assert_eq!(save_points(10, 0, 0), Vec::<usize>::new());
-        assert_eq!(save_points(6000, 4090, 0), vec![5952]);
-        assert_eq!(save_points(6000, 4000, 0), vec![4096, 5952]);
+        assert_eq!(save_points(6000, 4090, 0), Vec::<usize>::new());
+        assert_eq!(save_points(6000, 4032, 0), vec![4096, 5952]);
         assert_eq!(max_restore(130), 128);
         assert_eq!(max_restore(65), 63);
     }
@@ -279,6 +290,12 @@ mod tests {
         }
         fn restore(&mut self, _: usize, _: &usize) -> orchid_model::error::Result<()> {
             Ok(())
+        }
+        fn capture_at(&mut self, _: usize, _: usize) -> orchid_model::error::Result<()> {
+            Ok(())
+        }
+        fn take_captures(&mut self, _: usize) -> orchid_model::error::Result<Vec<(usize, usize)>> {
+            Ok(Vec::new())
         }
         fn release(&mut self, _: usize) {}
         fn snapshot_bytes(&self, snap: &usize) -> usize {

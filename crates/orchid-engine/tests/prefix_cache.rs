@@ -1,8 +1,9 @@
 //! The prefix cache on the CPU backend with the bundled model: greedy output (tokens and
 //! log-probabilities) is bit-identical with the cache on and off, whether a prompt repeats, extends
 //! an earlier one, continues a finished generation or shares a prefix with concurrent requests;
-//! cached-token counts are what the block alignment gives; a tiny budget evicts and stays within
-//! it; a cancelled request leaves nothing behind.
+//! cached-token counts are what the block alignment gives; a snapshot captured inside a forward
+//! pass is bit for bit the one a pass ending there saves, and taking snapshots adds no forward
+//! pass; a tiny budget evicts and stays within it; a cancelled request leaves nothing behind.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,22 +11,28 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use orchid_cpu::CpuBackend;
+use orchid_cpu::state::SeqState;
 use orchid_engine::Tokenizer;
 use orchid_engine::engine::{EngineHandle, EngineOptions, spawn};
 use orchid_engine::prefix_cache::{BLOCK, max_restore};
 use orchid_engine::request::{Event, GenerateRequest};
+use orchid_model::{BatchLayout, LogitRows, SeqSpan, StateOptions, StatePool};
 
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/orchid-tiny")
 }
 
 fn start(cache: bool, budget: Option<usize>) -> (EngineHandle, Arc<Tokenizer>) {
+    start_with(cache, budget, 128)
+}
+
+fn start_with(cache: bool, budget: Option<usize>, prefill_chunk: usize) -> (EngineHandle, Arc<Tokenizer>) {
     let dir = model_dir();
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let opts = EngineOptions {
         max_seqs: 4,
         max_context: 1024,
-        prefill_chunk: 128,
+        prefill_chunk,
         max_queue: 16,
         fast_decode: false,
         prefix_cache: cache,
@@ -135,6 +142,112 @@ fn greedy_output_is_bit_identical_with_the_cache_on_and_off() {
     assert_eq!(off.stats().prefix_cache_entries.load(Ordering::Relaxed), 0);
     on.shutdown(false);
     off.shutdown(false);
+}
+
+/// The bit patterns of a slot's state: every KV row of every attention layer and the GDN conv and
+/// recurrent states.
+fn state_bits(s: &SeqState) -> Vec<Vec<u32>> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let kv = s.kv.iter().flat_map(|c| [bits(&c.k), bits(&c.v), vec![c.len as u32]]);
+    kv.chain(s.gdn.iter().flat_map(|g| [bits(&g.conv), bits(&g.recurrent)])).collect()
+}
+
+#[test]
+fn a_snapshot_captured_inside_a_pass_is_the_one_a_split_pass_saves() {
+    let dir = model_dir();
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let model = orchid_model::load_model(&dir, CpuBackend::new()).unwrap();
+    let mut st = model.new_state(StateOptions::new(5, 1024)).unwrap();
+    let ids = text_ids(&tok, 60, 300);
+    let other = text_ids(&tok, 61, 100);
+    let fwd = |st: &mut orchid_cpu::CpuState, spans: &[(usize, usize, usize)], toks: &[&[u32]]| {
+        let batch = BatchLayout { spans: spans.iter().map(|&(slot, start, len)| SeqSpan { slot, start, len }).collect() };
+        let flat: Vec<u32> = spans.iter().zip(toks).flat_map(|(s, t)| t[s.1..s.1 + s.2].to_vec()).collect();
+        model.forward(&flat, &batch, st, LogitRows::LastOfEachSpan).unwrap().data
+    };
+    // Slot a: [0, 64), then [64, 300) in one pass (next to another sequence's span), capturing
+    // the snapshots at 128 and 256.
+    let a = st.alloc().unwrap();
+    fwd(&mut st, &[(a, 0, 64)], &[&ids]);
+    let e = st.alloc().unwrap();
+    st.capture_at(a, 256).unwrap();
+    st.capture_at(a, 128).unwrap();
+    st.capture_at(a, 128).unwrap();
+    let one = fwd(&mut st, &[(e, 0, 100), (a, 64, 236)], &[&other, &ids]);
+    let caps = st.take_captures(a).unwrap();
+    assert!(st.take_captures(a).unwrap().is_empty(), "taking clears the requests");
+    // Slot b: the same prompt split at 128 and 256, saved after each pass that ends there.
+    let b = st.alloc().unwrap();
+    let mut saved = Vec::new();
+    for (lo, hi) in [(0, 64), (64, 128), (128, 256)] {
+        fwd(&mut st, &[(b, lo, hi - lo)], &[&ids]);
+        saved.push((hi, st.save(b, hi).unwrap()));
+    }
+    saved.remove(0);
+    let split = fwd(&mut st, &[(b, 256, 44)], &[&ids]);
+    let v = one.len() / 2;
+    assert!(one[v..].iter().zip(&split).all(|(x, y)| x.to_bits() == y.to_bits()), "the last logits differ");
+    assert_eq!(state_bits(st.slot(a)), state_bits(st.slot(b)), "the states after the prompt differ");
+    assert_eq!(caps.iter().map(|c| c.0).collect::<Vec<_>>(), vec![128, 256]);
+    for ((at, cap), (at2, snap)) in caps.into_iter().zip(saved) {
+        assert_eq!(at, at2);
+        let (c, d) = (st.alloc().unwrap(), st.alloc().unwrap());
+        st.restore(c, &cap).unwrap();
+        st.restore(d, &snap).unwrap();
+        assert_eq!(st.slot(c).kv[0].len, at);
+        assert_eq!(state_bits(st.slot(c)), state_bits(st.slot(d)), "the snapshots at {at} differ");
+        st.free(c);
+        st.free(d);
+    }
+    // A capture no span had inside fails, and asking for one behind the slot's length too.
+    st.capture_at(a, 320).unwrap();
+    fwd(&mut st, &[(a, 300, 2)], &[&cat(&ids, &other)]);
+    assert!(st.take_captures(a).is_err());
+    assert!(st.capture_at(a, 256).is_err());
+}
+
+#[test]
+fn snapshots_cost_no_forward_pass() {
+    // A prefill chunk of 512: each of these prompts runs in one forward pass, the snapshots inside
+    // it captured by that pass.
+    let (on, tok) = start_with(true, None, 512);
+    let (off, _) = start_with(false, None, 512);
+    let base = text_ids(&tok, 70, 300);
+    let steps = |e: &EngineHandle| e.stats().prefill_steps.load(Ordering::Relaxed);
+    // Read once the finished request has left (it saves where its generation ended as it does).
+    let entries = |e: &EngineHandle| {
+        while e.stats().running.load(Ordering::Relaxed) != 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        e.stats().prefix_cache_entries.load(Ordering::Relaxed)
+    };
+    // Each also leaves the snapshot where its generation ended (3 tokens fed after the prompt).
+    let cases = [
+        // The last block boundary, 256.
+        ("first", base.clone(), 0, 2),
+        // Restores 256 and saves its own last block boundary (384) however short its rest is.
+        ("extends", cat(&base, &text_ids(&tok, 71, 90)), 256, 2),
+        // Shares 200 tokens with the prompts before: 192 (the shared part's end) and 256.
+        ("shares", cat(&base[..200], &text_ids(&tok, 72, 70)), 0, 3),
+    ];
+    for (name, ids, want_cached, new_entries) in cases {
+        let (s0, e0) = (steps(&on), entries(&on));
+        let a = run(&on, &ids, 4);
+        assert_eq!(steps(&on) - s0, 1, "{name}: prefill passes");
+        assert_eq!(entries(&on) - e0, new_entries, "{name}: snapshots taken");
+        assert_eq!(a.cached, want_cached, "{name}: cached tokens");
+        let b = run(&off, &ids, 4);
+        assert_eq!((a.tokens, a.logprobs), (b.tokens, b.logprobs), "{name}: output differs with the cache on");
+    }
+    on.shutdown(false);
+    off.shutdown(false);
+    // A prefill chunk that is not a multiple of 64: the span from 200 has no GDN chunk boundary at
+    // 256, so it stops there for the snapshot ([0, 100), [100, 200), [200, 256), [256, 300)).
+    let (odd, _) = start_with(true, None, 100);
+    run(&odd, &base, 1);
+    assert_eq!(steps(&odd), 4);
+    assert_eq!(run(&odd, &base, 1).cached, 256);
+    odd.shutdown(false);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use crate::weights::HostMlp;
 pub trait StatePool: Send {
     /// Claims a free slot, reset to an empty sequence; `None` when all are in use.
     fn alloc(&mut self) -> Option<usize>;
-    /// Releases a slot.
+    /// Releases a slot (and drops the captures asked for it, [`StatePool::capture_at`]).
     fn free(&mut self, slot: usize);
     /// Slots in use.
     fn in_use(&self) -> usize;
@@ -58,6 +58,17 @@ pub trait StatePool: Send {
     fn reserve_prefix_cache(&mut self, budget: Option<usize>) -> Result<usize>;
     /// Saves the state of `slot`, which must hold exactly `len` tokens.
     fn save(&mut self, slot: usize, len: usize) -> Result<Self::Snapshot>;
+    /// Asks the next forward pass over `slot` for a snapshot at position `at` strictly inside
+    /// its span (start < `at` < start + len, `at` − start a multiple of [`GDN_CHUNK`], `at` a
+    /// position `save` accepts): the GDN layers copy their states at `at` during the pass (the
+    /// chunked recurrence has a state there), so the prefill need not stop at `at` for `save`.
+    /// Several positions may be asked for one pass; a position asked for twice counts once.
+    fn capture_at(&mut self, slot: usize, at: usize) -> Result<()>;
+    /// The snapshots the forward pass since `capture_at` took for `slot`, ascending by position,
+    /// each what `save(slot, at)` returns after a pass that ends at `at` (the attention KV of the
+    /// positions before `at` is final once they ran); clears the requests. Fails when a GDN layer
+    /// did not take one (no span of the pass had `at` strictly inside, chunk-aligned).
+    fn take_captures(&mut self, slot: usize) -> Result<Vec<(usize, Self::Snapshot)>>;
     /// Replaces the (fresh) state of `slot` with a snapshot; the slot then holds `len` tokens.
     fn restore(&mut self, slot: usize, snap: &Self::Snapshot) -> Result<()>;
     /// Gives a snapshot's memory back (on CUDA: drops its references to KV blocks).
@@ -65,6 +76,11 @@ pub trait StatePool: Send {
     /// Bytes a snapshot counts against the cache budget.
     fn snapshot_bytes(&self, snap: &Self::Snapshot) -> usize;
 }
+
+/// Tokens per chunk of the chunked GDN recurrence of a prefill span on every backend, counted
+/// from the span's start: the states between chunks are where a pass can take a snapshot
+/// ([`StatePool::capture_at`]).
+pub const GDN_CHUNK: usize = 64;
 
 /// Sizes the engine asks a state pool for.
 #[derive(Clone, Copy, Debug)]

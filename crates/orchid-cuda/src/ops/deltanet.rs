@@ -10,7 +10,7 @@ crate::kernel_abi! {
         /// Tokens per thread of `gdn_conv`.
         CONV_TOKENS => "CONV_TT": usize = 8;
         /// Tokens per chunk of the chunked prefill.
-        CHUNK: usize = 64;
+        CHUNK: usize = orchid_model::backend::GDN_CHUNK;
         /// Blocks per value head of the decode kernel (one thread-block cluster on sm_90+), each
         /// owning `dv / DECODE_SPLIT` state columns.
         DECODE_SPLIT => "GDN_NS": usize = 4;
@@ -74,6 +74,9 @@ crate::kernel_abi! {
         cw: i32,
         /// `chunk_count(t)`.
         nchunks: i32,
+        /// The chunks [chunk0, chunk1) `gdn_chunk_scan` walks (`gdn_chunk_prep` takes all).
+        chunk0: i32,
+        chunk1: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct GNormArgs {
@@ -194,12 +197,18 @@ pub fn prep(c: &Ctx, a: &GdnPrepArgs) -> Result<()> {
     c.k("gdn_prep").launch(&c.gpu, (a.t as u32, 1, 1), 128, 0, a)
 }
 
-/// The chunked delta rule: `gdn_chunk_prep` (every chunk of every head in parallel, grid
-/// (nchunks, Hv)) writes W, U, QK and γ to `a.scratch`; `gdn_chunk_scan` (grid (Hv, dv/cw))
-/// walks the chunks in order on the state.
-pub fn chunk(c: &Ctx, a: &ChunkArgs) -> Result<()> {
+/// The state-independent half of the chunked delta rule: `gdn_chunk_prep` (every chunk of every
+/// head in parallel, grid (nchunks, Hv)) writes W, U, QK and γ to `a.scratch`.
+pub fn chunk_prep(c: &Ctx, a: &ChunkArgs) -> Result<()> {
+    c.k("gdn_chunk_prep").launch(&c.gpu, (a.nchunks as u32, a.hv as u32, 1), 256, chunk_prep_smem(a.dk as usize, a.dv as usize) as u32, a)
+}
+
+/// The sequential half: `gdn_chunk_scan` (grid (Hv, dv/cw)) walks chunks [chunk0, chunk1) in
+/// order on the state. Consecutive ranges in separate launches compute bit for bit what one
+/// launch over all of them does, the state in memory between them being the state after the
+/// first range.
+pub fn chunk_scan(c: &Ctx, a: &ChunkArgs) -> Result<()> {
     let (dk, dv, cw) = (a.dk as usize, a.dv as usize, a.cw as usize);
-    c.k("gdn_chunk_prep").launch(&c.gpu, (a.nchunks as u32, a.hv as u32, 1), 256, chunk_prep_smem(dk, dv) as u32, a)?;
     c.k("gdn_chunk_scan").launch(&c.gpu, (a.hv as u32, (dv / cw) as u32, 1), 256, chunk_scan_smem(dk, cw) as u32, a)
 }
 
@@ -321,7 +330,7 @@ mod tests {
     fn sizes_and_dims() {
         assert_eq!(std::mem::size_of::<ConvArgs>(), 56);
         assert_eq!(std::mem::size_of::<GdnPrepArgs>(), 88);
-        assert_eq!(std::mem::size_of::<ChunkArgs>(), 80);
+        assert_eq!(std::mem::size_of::<ChunkArgs>(), 88);
         assert_eq!(std::mem::size_of::<GNormArgs>(), 56);
         assert_eq!(std::mem::size_of::<GdnDecodeArgs>(), 168);
         check_dims(128, 128, 8192, 4).unwrap();

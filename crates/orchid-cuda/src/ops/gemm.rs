@@ -34,7 +34,8 @@ crate::kernel_abi! {
         kpad: i32,
         ldo: i32,
         t: i32 => "T",
-        pad0: i32,
+        /// One pass (not PAIR): add the products onto `out` instead of storing them.
+        acc: i32,
         pad1: i32,
     }
     #[derive(Clone, Copy, Default)]
@@ -206,8 +207,8 @@ pub fn gemm(
 }
 
 /// A dense `gemm` in `kparts` K parts (1: one pass; more: split-K, at most one part per
-/// k-step), whatever `gemm_kparts` says; `accumulate` (split-K only) adds the products onto
-/// `out`. For `matmul_add_split` and the tests.
+/// k-step), whatever `gemm_kparts` says; `accumulate` adds the products onto `out` (in the
+/// one pass's store, or in the split-K reduction; not for a pair). For `matmul_add` and the tests.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_split(
     c: &Ctx,
@@ -265,8 +266,8 @@ fn gemm_launch(
     if !matches!(bn, 32 | 64 | 128) {
         return Err(Error::Op { op: "gemm", msg: format!("token tile {bn} (32, 64 or 128)") });
     }
-    if accumulate && kparts == 1 {
-        return Err(Error::Op { op: "gemm", msg: "accumulating needs split-K (at least two K parts)".into() });
+    if accumulate && pair {
+        return Err(Error::Op { op: "gemm", msg: "a gate/up pair does not accumulate".into() });
     }
     if kparts > 1 && t > 65535 {
         return Err(Error::Op { op: "gemm", msg: format!("split-K over {t} tokens (at most 65535: the reduction's grid)") });
@@ -291,7 +292,7 @@ fn gemm_launch(
         kpad: w.kpad as i32,
         ldo: if kparts > 1 { ldp } else { ldo } as i32,
         t: t as i32,
-        pad0: 0,
+        acc: (accumulate && kparts == 1) as i32,
         pad1: 0,
     };
     let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
@@ -326,17 +327,13 @@ pub fn matmul(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ld
     }
 }
 
-/// out += x·Wᵀ (out: `t` rows of stride `ldo`) as a split-K GEMM whose reduction adds onto out
-/// (no product matrix, no separate add), where the GEMM takes `t` tokens and `dense_kparts`
-/// splits it; otherwise does nothing and returns false (the caller multiplies, then adds).
-pub fn matmul_add_split(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ldo: usize) -> Result<bool> {
+/// out += x·Wᵀ (out: `t` rows of stride `ldo`) as a GEMM that adds onto out, in its store or in
+/// its split-K reduction (`dense_kparts`): no product matrix, no separate add. For the tokens a
+/// GEMM takes (not `use_gemv`).
+pub fn matmul_add(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ldo: usize) -> Result<()> {
     let kparts = dense_kparts(c, w, false, t);
-    if use_gemv(c, t) || kparts == 1 {
-        return Ok(false);
-    }
     let xp = gemm_x(c, x, ldx, t, w.cols)?;
-    gemm_split(c, w, None, &xp, t, out, ldo, kparts, true)?;
-    Ok(true)
+    gemm_split(c, w, None, &xp, t, out, ldo, kparts, true)
 }
 
 /// `matmul` of an input several weights share: the GEMM reads `xp`, x prepared once by `gemm_x`
