@@ -35,8 +35,6 @@ pub const BLOCK: usize = 64;
 
 /// Besides prompt ends and shared-prefix ends, a long prompt is snapshotted every this many tokens.
 pub const INTERVAL: usize = 4096;
-/// See [`save_points`].
-pub const SHORT_TAIL: usize = 1024;
 
 /// At most this many remembered block keys (the set is cleared when it grows past it).
 const MAX_SEEN: usize = 1 << 20;
@@ -210,11 +208,12 @@ impl<P: StatePool> PrefixCache<P> {
 /// never a chunk boundary of its prefill and would cost a second forward pass. The snapshot its
 /// own generation leaves where it ends serves the turn after it.
 ///
-/// The last block boundary is also skipped when a restored prompt has at most [`SHORT_TAIL`]
-/// tokens left (an agent's next call after a shared system prompt, a conversation's turn): a
-/// snapshot costs the request's first token a few milliseconds on the GPU (3–7 ms measured on an
-/// H200 with the 35B), which such a short prefill would otherwise not pay, and the snapshot where
-/// its generation ends serves a next turn.
+/// Every other prompt saves its last block boundary, however short the part it prefills: a
+/// thinking model's next turn drops the reasoning, so it continues from there, not from where
+/// the generation ended (on the bundled model's chat test, 75 % of the later turns' prompt
+/// tokens come from the cache this way, 59 % without). The snapshot costs that request's first
+/// token a few milliseconds on the GPU (the next turn of a 32K conversation on an H200: 46 ms,
+/// 39 ms without).
 pub fn save_points(len: usize, restored: usize, seen: usize) -> Vec<usize> {
     if !restored.is_multiple_of(BLOCK) {
         return Vec::new();
@@ -223,9 +222,7 @@ pub fn save_points(len: usize, restored: usize, seen: usize) -> Vec<usize> {
     let last = |p: usize| if p + 1 == len { p.saturating_sub(BLOCK) } else { p };
     let mut pts: Vec<usize> = (1..).map(|k| k * INTERVAL).take_while(|&p| p <= len).collect();
     pts.push(last((seen * BLOCK).min(len / BLOCK * BLOCK)));
-    if restored == 0 || len - restored > SHORT_TAIL {
-        pts.push(last(len / BLOCK * BLOCK));
-    }
+    pts.push(last(len / BLOCK * BLOCK));
     pts.retain(|&p| ok(p));
     pts.sort_unstable();
     pts.dedup();
@@ -257,13 +254,12 @@ mod tests {
         assert_eq!(save_points(200, 0, 0), vec![192]);
         assert_eq!(save_points(193, 0, 0), vec![128]);
         assert_eq!(save_points(192, 0, 1), vec![64, 192]);
-        // A restored prompt with a short rest skips its last block boundary; a longer one not.
-        assert_eq!(save_points(192, 128, 1), Vec::<usize>::new());
-        assert_eq!(save_points(300, 192, 3), Vec::<usize>::new());
-        assert_eq!(save_points(258, 256, 4), Vec::<usize>::new());
+        assert_eq!(save_points(192, 128, 1), vec![192]);
         assert_eq!(save_points(2000, 128, 1), vec![1984]);
-        // ... but not the shared part's end.
-        assert_eq!(save_points(300, 64, 3), vec![192]);
+        // A restored prompt with a short rest saves its last block boundary too.
+        assert_eq!(save_points(300, 192, 3), vec![256]);
+        assert_eq!(save_points(260, 192, 0), vec![256]);
+        assert_eq!(save_points(258, 256, 4), Vec::<usize>::new());
         // Every INTERVAL tokens, the shared part's end and the last block boundary.
         assert_eq!(save_points(9000, 0, 10), vec![640, 4096, 8192, 8960]);
         // A point one token before the end moves back a block.

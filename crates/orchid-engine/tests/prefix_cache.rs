@@ -225,8 +225,8 @@ fn snapshots_cost_no_forward_pass() {
     let cases = [
         // The last block boundary, 256.
         ("first", base.clone(), 0, 2),
-        // Restores 256; a rest this short saves no last block boundary (`SHORT_TAIL`).
-        ("extends", cat(&base, &text_ids(&tok, 71, 90)), 256, 1),
+        // Restores 256 and saves its own last block boundary (384) however short its rest is.
+        ("extends", cat(&base, &text_ids(&tok, 71, 90)), 256, 2),
         // Shares 200 tokens with the prompts before: 192 (the shared part's end) and 256.
         ("shares", cat(&base[..200], &text_ids(&tok, 72, 70)), 0, 3),
     ];
