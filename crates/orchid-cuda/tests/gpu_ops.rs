@@ -222,7 +222,6 @@ fn gemm_pair_split_k() {
     }
 }
 
-/// One attention layer's state pools on both backends.
 /// Random q/k/v, z, b and a of `t` tokens for a GDN layer, on the CPU and on the GPU.
 fn gdn_step_inputs(g: &CudaBackend, rng: &mut Rng, t: usize, cdim: usize, vdim: usize, hv: usize) -> ([CpuTensor; 4], [CudaTensor; 4]) {
     let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * vdim, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));
@@ -238,6 +237,7 @@ fn gdn_inputs<'a, B: Backend>(x: &'a [B::Tensor; 4], v: &'a [B::Vector]) -> Delt
     DeltaNetInputs { qkv: &x[0], z: &x[1], b: &x[2], a: &x[3], conv: &v[0], a_log: &v[1], dt_bias: &v[2], norm: &v[3] }
 }
 
+/// One attention layer's state pools on both backends.
 fn attn_states(hq: usize, hkv: usize, d: usize) -> (orchid_model::config::ModelConfig, StateOptions) {
     let cfg = config(64, 64, 1, (hq, hkv, d), (1, 1, 32, 32), (4, 2, 64, 0), 1);
     (cfg, StateOptions::new(2, 8192))
@@ -472,17 +472,7 @@ fn deltanet_chunked_prefill_equals_token_by_token() {
             up(&g, n, hv, &b[lo * hv..hi * hv]),
             up(&g, n, hv, &a[lo * hv..hi * hv]),
         ];
-        let gi = DeltaNetInputs::<CudaBackend> {
-            qkv: &gt[0],
-            z: &gt[1],
-            b: &gt[2],
-            a: &gt[3],
-            conv: &gv[0],
-            a_log: &gv[1],
-            dt_bias: &gv[2],
-            norm: &gv[3],
-        };
-        host(&g, &g.deltanet(gi, &dims, 1e-6, 0, &BatchLayout::single(slot, lo, n), st).unwrap())
+        host(&g, &g.deltanet(gdn_inputs(&gt, &gv), &dims, 1e-6, 0, &BatchLayout::single(slot, lo, n), st).unwrap())
     };
     let full = run(&mut st, s0, 0, t);
     let mut steps = Vec::new();
@@ -534,25 +524,13 @@ fn deltanet_capture_inside_a_span() {
         let widths = [cdim, hv * dv, hv, hv];
         // One forward call of the layer over spans (slot, start, end, inputs); the output rows.
         let fwd = |st: &mut orchid_cuda::CudaState, spans: &[(usize, usize, usize, &[Vec<f32>; 4])]| -> Vec<f32> {
-            let gt: Vec<CudaTensor> = (0..4)
-                .map(|i| {
-                    let rows: usize = spans.iter().map(|s| s.2 - s.1).sum();
-                    let v: Vec<f32> = spans.iter().flat_map(|s| s.3[i][s.1 * widths[i]..s.2 * widths[i]].to_vec()).collect();
-                    up(&g, rows, widths[i], &v)
-                })
-                .collect();
-            let gi = DeltaNetInputs::<CudaBackend> {
-                qkv: &gt[0],
-                z: &gt[1],
-                b: &gt[2],
-                a: &gt[3],
-                conv: &gv[0],
-                a_log: &gv[1],
-                dt_bias: &gv[2],
-                norm: &gv[3],
-            };
+            let gt: [CudaTensor; 4] = std::array::from_fn(|i| {
+                let rows: usize = spans.iter().map(|s| s.2 - s.1).sum();
+                let v: Vec<f32> = spans.iter().flat_map(|s| s.3[i][s.1 * widths[i]..s.2 * widths[i]].to_vec()).collect();
+                up(&g, rows, widths[i], &v)
+            });
             let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.1, len: s.2 - s.1 }).collect() };
-            host(&g, &g.deltanet(gi, &dims, 1e-6, 0, &batch, st).unwrap())
+            host(&g, &g.deltanet(gdn_inputs(&gt, &gv), &dims, 1e-6, 0, &batch, st).unwrap())
         };
         // A slot's GDN layer as bits: both conv buffers, then the recurrent state.
         let slot_bits = |st: &orchid_cuda::CudaState, slot: usize| -> Vec<u32> {

@@ -129,6 +129,12 @@ fn agree(name: &str, on: &Out, off: &Out, want_cached: usize, fails: &mut usize)
     println!("PARITY {} prefix-cache {name}: {what}; cached {} (want {want_cached})", if ok { "PASS" } else { "FAIL" }, on.cached);
 }
 
+/// `prompts` submitted at once (so that they decode as one batch), each for `max_tokens`.
+fn together(e: &EngineHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Out> {
+    let rxs: Vec<_> = prompts.iter().map(|p| e.submit(request(p, max_tokens)).unwrap()).collect();
+    rxs.into_iter().map(collect).collect()
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn prefix_cache_matches_no_cache() {
@@ -157,11 +163,7 @@ fn prefix_cache_matches_no_cache() {
     // The cache-off side runs them concurrently too: the same batch of four decodes in both, so
     // the rows' kernels (whose rounding, and with it a router's near-tie, depends on the batch)
     // are the same and only the cache differs.
-    let together = |e: &EngineHandle| -> Vec<Out> {
-        let rxs: Vec<_> = prompts.iter().map(|p| e.submit(request(p, 24)).unwrap()).collect();
-        rxs.into_iter().map(collect).collect()
-    };
-    let (outs, refs) = (together(&on), together(&off));
+    let (outs, refs) = (together(&on, &prompts, 24), together(&off, &prompts, 24));
     for (i, (o, r)) in outs.iter().zip(&refs).enumerate() {
         agree(&format!("concurrent {i}"), o, r, 256, &mut fails);
     }
@@ -171,11 +173,7 @@ fn prefix_cache_matches_no_cache() {
     let prompt = ids(&tok, 5, 100);
     let first = run(&on, &prompt, 90);
     let nexts: Vec<Vec<u32>> = [6, 9].iter().map(|&seed| cat(&cat(&prompt, &first.tokens), &ids(&tok, seed, 30))).collect();
-    let turns = |e: &EngineHandle| -> Vec<Out> {
-        let rxs: Vec<_> = nexts.iter().map(|p| e.submit(request(p, 16)).unwrap()).collect();
-        rxs.into_iter().map(collect).collect()
-    };
-    let (outs, refs) = (turns(&on), turns(&off));
+    let (outs, refs) = (together(&on, &nexts, 16), together(&off, &nexts, 16));
     for (i, (o, r)) in outs.iter().zip(&refs).enumerate() {
         agree(&format!("next turn {i}"), o, r, 189, &mut fails);
     }
