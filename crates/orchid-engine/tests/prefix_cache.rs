@@ -268,6 +268,12 @@ fn next_turn_reuses_the_finished_generation() {
     // rounding. On this model and prompt the greedy tokens agree.
     let b = run(&off, &next, 8);
     assert_eq!(a.tokens, b.tokens);
+    // That turn was restored inside a block, so it took no snapshot of its own prompt; the third
+    // turn finds where the second one's generation ended (220 + 7 fed tokens).
+    let third = cat(&cat(&next, &a.tokens), &text_ids(&tok, 7, 20));
+    let c = run(&on, &third, 4);
+    assert_eq!(c.cached, 227);
+    assert_eq!(c.tokens, run(&off, &third, 4).tokens);
     on.shutdown(false);
     off.shutdown(false);
 }
