@@ -80,6 +80,11 @@ impl CpuState {
         self.slots[slot].as_mut().expect("state slot is not allocated")
     }
 
+    /// The live state in `slot`, or an error naming a slot the engine did not allocate.
+    fn live(&self, slot: usize) -> Result<&SeqState> {
+        self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))
+    }
+
     /// The positions strictly inside the span [start, start + len) of `slot` where a capture was
     /// asked for, ascending.
     pub fn capture_points(&self, slot: usize, start: usize, len: usize) -> Vec<usize> {
@@ -108,8 +113,7 @@ impl StatePool for CpuState {
     }
 
     fn save(&mut self, slot: usize, len: usize) -> Result<CpuSnapshot> {
-        let s =
-            self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        let s = self.live(slot)?;
         if let Some(c) = s.kv.iter().find(|c| c.len != len) {
             return Err(Error::Backend(format!("snapshot of {len} tokens asked for, the cache holds {}", c.len)));
         }
@@ -117,8 +121,7 @@ impl StatePool for CpuState {
     }
 
     fn capture_at(&mut self, slot: usize, at: usize) -> Result<()> {
-        let s =
-            self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        let s = self.live(slot)?;
         if let Some(c) = s.kv.iter().find(|c| c.len >= at) {
             return Err(Error::Backend(format!("snapshot at {at} tokens asked for, the cache holds {} already", c.len)));
         }
@@ -131,8 +134,7 @@ impl StatePool for CpuState {
 
     fn take_captures(&mut self, slot: usize) -> Result<Vec<(usize, CpuSnapshot)>> {
         let caps = self.captures.get_mut(slot).map(std::mem::take).unwrap_or_default();
-        let s =
-            self.slots.get(slot).and_then(Option::as_ref).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))?;
+        let s = self.live(slot)?;
         let w = self.kv_width;
         caps.into_iter()
             .map(|c| {

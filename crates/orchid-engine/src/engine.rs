@@ -477,6 +477,11 @@ struct Seq<S> {
 }
 
 impl<S> Seq<S> {
+    /// Ends the request with an error (its last event).
+    fn fail(&mut self, msg: String) {
+        let _ = self.tx.send(Event::Error(msg));
+        self.ended = true;
+    }
     fn decoding(&self) -> bool {
         self.prefilled == self.prompt.len()
     }
@@ -869,8 +874,7 @@ impl<B: Backend> Engine<B> {
                 let msg = format!("inference failed: {e}");
                 tracing::error!("{msg}");
                 for &i in &members {
-                    let _ = self.running[i].tx.send(Event::Error(msg.clone()));
-                    self.running[i].ended = true;
+                    self.running[i].fail(msg.clone());
                 }
                 self.retire(&members);
                 return;
@@ -900,8 +904,7 @@ impl<B: Backend> Engine<B> {
                     match failed.map_or_else(|| c.apply(&mut masked, remaining, budget), Err) {
                         Ok(()) => Some(masked),
                         Err(e) => {
-                            let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
-                            s.ended = true;
+                            s.fail(format!("constrained decoding failed: {e}"));
                             done.push(i);
                             continue;
                         }
@@ -1004,8 +1007,7 @@ impl<B: Backend> Engine<B> {
                     self.note_decoded(i, step.pos + 1);
                     let s = &mut self.running[i];
                     if let Some((_, e)) = failed.iter().find(|(r, _)| *r == row) {
-                        let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
-                        s.ended = true;
+                        s.fail(format!("constrained decoding failed: {e}"));
                         done.push(i);
                     } else if emit(s, tok, None, self.max_context) {
                         // Counted as the generic step counts (a token of a sequence that goes on).
@@ -1020,8 +1022,7 @@ impl<B: Backend> Engine<B> {
                 let msg = format!("inference failed: {e}");
                 tracing::error!("{msg} ({})", fast.name());
                 for &i in &rows {
-                    let _ = self.running[i].tx.send(Event::Error(msg.clone()));
-                    self.running[i].ended = true;
+                    self.running[i].fail(msg.clone());
                 }
                 self.retire(&rows);
             }
@@ -1122,8 +1123,7 @@ fn emit<S>(s: &mut Seq<S>, tok: u32, lp: Option<crate::sampling::TokenLogprob>, 
         None | Some(Ok(false)) => false,
         Some(Ok(true)) => true,
         Some(Err(e)) => {
-            let _ = s.tx.send(Event::Error(format!("constrained decoding failed: {e}")));
-            s.ended = true;
+            s.fail(format!("constrained decoding failed: {e}"));
             return false;
         }
     };
