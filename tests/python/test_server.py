@@ -112,6 +112,13 @@ def test_completions_token_prompt_and_echo(server):
     assert a["choices"][0]["text"].startswith("Hello world")
     status, _, b = server.json("POST", "/v1/completions", {"prompt": "Hello world", "max_tokens": 6, **GREEDY})
     assert a["choices"][0]["text"] == "Hello world" + b["choices"][0]["text"]
+    # A prompt of token ids: echoed as its text only when asked.
+    status, _, ids = server.json("POST", "/tokenize", {"prompt": "Hello world"})
+    assert status == 200
+    for echo in (True, False):
+        status, _, c = server.json("POST", "/v1/completions", {"prompt": ids["tokens"], "max_tokens": 6, **GREEDY, "echo": echo})
+        assert status == 200
+        assert c["choices"][0]["text"] == ("Hello world" if echo else "") + b["choices"][0]["text"]
 
 
 def test_max_tokens(client):

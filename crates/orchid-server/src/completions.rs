@@ -31,7 +31,7 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
     let tok = st.tokenizer.clone();
     let prompt = req.prompt.clone();
     let max_context = info.max_context;
-    let (st2, structured) = (st.clone(), req.structured.clone());
+    let (st2, structured, echo) = (st.clone(), req.structured.clone(), req.echo);
     let (ids, prompt_text, constraint) = st
         .blocking(move || {
             let constraint = structured.map(|s| st2.compile_grammar(&s.field, &s.spec)).transpose()?;
@@ -40,8 +40,10 @@ pub async fn completions(State(st): State<AppState>, JsonBody(body): JsonBody) -
                     let ids = AppState::encode_prompt(&tok, &t, true, &[], max_context, "prompt")?;
                     Ok((ids, t, constraint))
                 }
+                // The text of a token-id prompt is only needed to echo it (decoding 10K tokens
+                // takes milliseconds, which every request's first token would wait for).
                 Prompt::Tokens(ids) => {
-                    let text = tok.decode(&ids, false);
+                    let text = if echo { tok.decode(&ids, false) } else { String::new() };
                     Ok((ids, text, constraint))
                 }
             }
