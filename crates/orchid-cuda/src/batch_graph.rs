@@ -293,16 +293,16 @@ impl BatchGraph {
     }
 }
 
-/// The bucket a batch of `n` rows runs in: the next power of two (at least 2).
+/// The bucket a batch of `n` rows runs in: the next power of two.
 pub fn bucket_for(n: usize) -> usize {
-    n.max(2).next_power_of_two()
+    n.max(1).next_power_of_two()
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn buckets() {
-        assert_eq!(super::bucket_for(1), 2);
+        assert_eq!(super::bucket_for(1), 1);
         assert_eq!(super::bucket_for(2), 2);
         assert_eq!(super::bucket_for(3), 4);
         assert_eq!(super::bucket_for(33), 64);

@@ -11,7 +11,7 @@ use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
 use crate::ops::gemm::{Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
-use crate::ops::moe_decode::{MoeDecode, moe_down_rows, moe_up_rows};
+use crate::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_up_rows};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::{CudaBackend, CudaTensor};
@@ -415,7 +415,8 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
 /// The MoE block of a few tokens through the per-token expert kernels of the decode path: router
 /// (and shared gate) logits, top-k per token, every token's routed and shared experts' gate/up
 /// in one launch, their down projections weighted and summed in another, added to `out` [t, H].
-/// With `norm`, x is normalised on load (matvec path: at most 8 tokens).
+/// With `norm`, x is normalised on load (matvec path: at most 8 tokens). One token normalised on
+/// load takes the router fused into the gate/up kernel where the layer allows (`moe_route_up`).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_rows(
     b: &CudaBackend,
@@ -433,9 +434,28 @@ pub fn moe_rows(
         return Err(Error::Op { op: "moe", msg: format!("a normalised-on-load MoE of {t} tokens (at most 8)") });
     }
     let ns = w.shared_gate.is_some() as usize;
-    let logits = b.tensor(t, e + ns)?;
     let ids = DevBuf::alloc(b.gpu(), t * k * 4)?;
     let wts = DevBuf::alloc(b.gpu(), t * (k + ns) * 4)?;
+    let hbuf = DevBuf::alloc(b.gpu(), t * (k + ns) * md.hstride() * 4)?;
+    if t == 1
+        && let Some(norm) = norm
+    {
+        let partial = DevBuf::alloc(b.gpu(), ROUTER_KPARTS * (e + ns) * 4)?;
+        let route = FusedRoute {
+            router: &w.router,
+            shared_gate: w.shared_gate.as_ref(),
+            e,
+            renorm: dims.norm_topk_prob,
+            partial: partial.ptr,
+            barrier: c.route_barrier.ptr,
+            wts: wts.ptr,
+        };
+        if can_fuse_route(c, md, &route) {
+            moe_route_up(c, md, x.ptr(), norm, ids.ptr, hbuf.ptr, &route)?;
+            return moe_down(c, md, hbuf.ptr, wts.ptr, ids.ptr, out);
+        }
+    }
+    let logits = b.tensor(t, e + ns)?;
     let fused = t <= 8 && w.shared_gate.as_ref().is_none_or(|sg| sg.fmt == w.router.fmt && sg.kpad == w.router.kpad);
     if fused {
         // Router (and shared gate) logits with every token's top-k in the last block.
@@ -484,7 +504,6 @@ pub fn moe_rows(
             },
         )?;
     }
-    let hbuf = DevBuf::alloc(b.gpu(), t * (k + ns) * md.hstride() * 4)?;
     moe_up_rows(c, md, x.ptr(), norm.unwrap_or((0, 0.0)), ids.ptr, hbuf.ptr, t)?;
     moe_down_rows(c, md, hbuf.ptr, wts.ptr, ids.ptr, out, t)
 }

@@ -67,6 +67,10 @@ pub struct BenchArgs {
     /// Prompt length of the --profile run.
     #[arg(long, default_value_t = 4096)]
     profile_length: usize,
+    /// Context before the --profile run: this many tokens are prefilled first, untimed, so the
+    /// profile shows one pass of --profile-length tokens over that context (a chat turn's shape).
+    #[arg(long, default_value_t = 0)]
+    profile_context: usize,
     /// Batched decode: batch sizes (comma-separated) to time the batch graph at, each sequence
     /// at --batch-context tokens (see cmd/bench_batch.rs); --decode steps per run.
     #[arg(long, value_delimiter = ',')]
@@ -237,7 +241,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report["batch_decode"] = super::bench_batch::batch_decode(&m, &a.batch, a.batch_context, a.decode, a.runs, a.profile)?;
     }
     if !a.no_speed {
-        let max_len = *lengths.iter().max().unwrap_or(&256);
+        let max_len = *lengths.iter().max().unwrap_or(&256).max(&(a.profile_context + a.profile_length));
         let mut state = m.new_state(StateOptions::new(1, max_len + a.decode + 64))?;
         let slot = state.alloc().context("state slot")?;
         let mut graph = DecodeGraph::new(&m, &mut state, slot, SampleParams::greedy(v))?;
@@ -247,7 +251,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report["decode_graph_pdl"] = json!(graph.pdl);
         tracing::info!("decode graph: programmatic dependent launch {}", if graph.pdl { "on" } else { "off" });
         if a.profile {
-            report["profile"] = profile(&m, &mut state, &mut graph, a.profile_length.min(max_len), a.chunk)?;
+            report["profile"] = profile(&m, &mut state, &mut graph, a.profile_context, a.profile_length, a.chunk)?;
         }
         let mut rows = Vec::new();
         let t_start = Instant::now();
@@ -324,26 +328,32 @@ pub fn run(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Per-kernel GPU time of a prefill of `len` tokens (eager launches, so CPU-side gaps show up
-/// in the kernel that follows them) and of one captured decode step at context `len`.
+/// Per-kernel GPU time of a prefill of `len` tokens after `context` untimed ones (eager launches,
+/// so CPU-side gaps show up in the kernel that follows them) and of one captured decode step
+/// after them.
 fn profile(
     m: &Model<CudaBackend>,
     state: &mut orchid_cuda::CudaState,
     graph: &mut DecodeGraph,
+    context: usize,
     len: usize,
     chunk: usize,
 ) -> Result<serde_json::Value> {
     use orchid_cuda::driver;
     let gpu = m.backend.gpu().clone();
     let v = m.config.vocab_size;
-    let prompt: Vec<u32> = (0..len).map(|i| prompt_token(i, v)).collect();
+    let prompt: Vec<u32> = (0..context + len).map(|i| prompt_token(i, v)).collect();
     let slot = state.alloc().context("slot")?;
+    let mut pos = 0;
+    for ch in prompt[..context].chunks(chunk.max(1)) {
+        m.forward(ch, &BatchLayout::single(slot, pos, ch.len()), state, LogitRows::LastOfEachSpan)?;
+        pos += ch.len();
+    }
     gpu.synchronize()?;
     let t0 = Instant::now();
     driver::profile_begin(&gpu)?;
     let mut logits = None;
-    let mut pos = 0;
-    for ch in prompt.chunks(chunk.max(1)) {
+    for ch in prompt[context..].chunks(chunk.max(1)) {
         logits = Some(m.forward(ch, &BatchLayout::single(slot, pos, ch.len()), state, LogitRows::LastOfEachSpan)?);
         pos += ch.len();
     }
@@ -353,7 +363,7 @@ fn profile(
     let pre = driver::profile_summary(&ev)?;
     drop(ev);
     let mut pg = DecodeGraph::new_profiled(m, state, slot, SampleParams::greedy(v))?;
-    pg.start(logits.unwrap().ptr(), len)?;
+    pg.start(logits.unwrap().ptr(), context + len)?;
     for _ in 0..3 {
         pg.step(state)?;
     }
@@ -381,10 +391,11 @@ fn profile(
     };
     Ok(json!({
         "prefill_tokens": len,
+        "prefill_context": context,
         "prefill_wall_ms": wall,
-        "prefill": table(&format!("prefill {len} tokens (eager)"), &pre, wall),
+        "prefill": table(&format!("prefill {len} tokens after {context} (eager)"), &pre, wall),
         "decode_step_wall_ms": step_ms,
-        "decode": table(&format!("decode step at {len} (graph with timing events)"), &dec, step_ms),
+        "decode": table(&format!("decode step at {} (graph with timing events)", context + len), &dec, step_ms),
     }))
 }
 
