@@ -237,7 +237,8 @@ extern "C" __global__ void __launch_bounds__(SB) sample_general(const SampleArgs
 }
 
 // One row of a [rows, vocab] logits matrix per blockIdx.y, each with its own parameters, partials,
-// counter, output token, step counter and mask (consecutive, one per row); no position to advance.
+// counter, output token, position, step counter and mask (consecutive, one per row; a null
+// position or step counter is left alone).
 DEVI SampleArgs sample_row(const SampleArgs& a0) {
     const int r = blockIdx.y;
     SampleArgs a = a0;
@@ -248,7 +249,7 @@ DEVI SampleArgs sample_row(const SampleArgs& a0) {
     a.token_out += (u64)r * 4;
     if (a.step) a.step += (u64)r * 4;
     if (a.mask) a.mask += (u64)r * ((a0.vocab + 31) / 32) * 4;
-    a.pos = 0;
+    if (a.pos) a.pos += (u64)r * 4;
     return a;
 }
 

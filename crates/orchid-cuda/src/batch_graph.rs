@@ -28,7 +28,7 @@ use crate::ops::{Ctx, sampling as sp};
 use crate::state::CudaState;
 
 /// One running sequence's decode step (its token mask comes later, see `BatchGraph::step`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BatchRow {
     pub slot: usize,
     /// Input token, at position `pos` (the slot holds `pos` positions before the step).
@@ -47,15 +47,25 @@ pub struct BatchGraph {
     forward: Graph,
     /// ... where the sampling of every row reads them.
     sample: Graph,
-    /// i32 [4, bucket]: token ids, slots, positions, step counters.
+    /// Both in one graph, the sampler chained to the forward pass, for steps without masks (a
+    /// lone sequence's: `step_unmasked`); its temporaries are carved from the same arena, at the
+    /// same places (the two kinds of step never run at once). None in a profiled graph.
+    whole: Option<Graph>,
+    /// i32 [4, bucket]: token ids, slots, positions, step counters. The sampling graph writes each
+    /// row's token into its id and advances its position and step counter, so a step that goes
+    /// on where the last one stopped needs no upload (`continued`).
     inputs: DevBuf,
+    /// What `inputs` holds for the rows after the last step (None: unknown, upload).
+    continued: Option<Vec<BatchRow>>,
+    /// The forward graph's logits [bucket, vocab] f32, in the arena.
+    logits: u64,
+    vocab: usize,
     params: DevBuf,
     /// u32 [bucket, words]: the rows' token masks (read for rows whose parameters say `masked`).
     /// `params` and `masks` are read by the sampling graph only.
     masks: DevBuf,
     /// Words per mask row: vocab.div_ceil(32).
     words: usize,
-    tokens: DevBuf,
     /// Sampling scratch (kept for the graph's lifetime).
     _partial: DevBuf,
     _counters: DevBuf,
@@ -106,7 +116,6 @@ impl BatchGraph {
         let params = DevBuf::from_slice(&gpu, &host_params)?;
         let words = v.div_ceil(32);
         let masks = DevBuf::zeros(&gpu, bucket * words * 4)?;
-        let tokens = i32s(bucket)?;
         let partial = DevBuf::zeros(&gpu, bucket * sp::ARGMAX_BLOCKS * 8)?;
         let counters = i32s(bucket)?;
         // Padding everywhere until the first step says otherwise.
@@ -125,8 +134,8 @@ impl BatchGraph {
             params: params.ptr,
             partial: partial.ptr,
             counter: counters.ptr,
-            token_out: tokens.ptr,
-            pos: 0,
+            token_out: at(0),
+            pos: at(2),
             step: at(3),
             mask: masks.ptr,
             vocab: v as i32,
@@ -166,9 +175,21 @@ impl BatchGraph {
                 (r, Some(arena), pdl)
             }
         };
+        let whole = match (&graphs, &arena, profile) {
+            (Ok(_), Some(arena), false) => {
+                let carve = Arena::Carve { base: arena.ptr, size: arena.bytes, used: 0 };
+                let r = Arena::with(carve, || Self::capture_whole(model, state, &ids, &layout, &sample, greedy, pdl)).0;
+                if let Err(e) = &r {
+                    b.set_device_batch(None);
+                    return Err(Error::Op { op: "batch decode", msg: format!("capturing the one-graph step: {e}") });
+                }
+                r.ok()
+            }
+            _ => None,
+        };
         b.set_device_batch(None);
-        let (forward, sample) = graphs?;
-        let nodes = forward.num_nodes() + sample.num_nodes();
+        let (forward, sample, logits) = graphs?;
+        let nodes = whole.as_ref().map_or(forward.num_nodes() + sample.num_nodes(), Graph::num_nodes);
         tracing::debug!("batch decode graph: {bucket} rows, {nodes} nodes, greedy {greedy}, pdl {pdl}");
         Ok(BatchGraph {
             ctx,
@@ -176,11 +197,14 @@ impl BatchGraph {
             greedy,
             forward,
             sample,
+            whole,
             inputs,
+            continued: None,
+            logits,
+            vocab: v,
             params,
             masks,
             words,
-            tokens,
             _partial: partial,
             _counters: counters,
             host_params,
@@ -204,7 +228,7 @@ impl BatchGraph {
         a: &sp::SampleArgs,
         greedy: bool,
         pdl: bool,
-    ) -> Result<(Graph, Graph)> {
+    ) -> Result<(Graph, Graph, u64)> {
         let gpu = &model.backend.ctx.gpu;
         let mut logits = 0;
         crate::driver::set_pdl(pdl);
@@ -215,7 +239,37 @@ impl BatchGraph {
         crate::driver::set_pdl(false);
         let forward = forward?;
         let sample = Graph::capture(gpu, || sp::rows(&model.backend.ctx, &sp::SampleArgs { logits, ..*a }, layout.spans.len(), greedy))?;
-        Ok((forward, sample))
+        Ok((forward, sample, logits))
+    }
+
+    /// The forward pass and the sampling in one capture (see `whole`).
+    fn capture_whole(
+        model: &Model<CudaBackend>,
+        state: &mut CudaState,
+        ids: &[u32],
+        layout: &BatchLayout,
+        a: &sp::SampleArgs,
+        greedy: bool,
+        pdl: bool,
+    ) -> Result<Graph> {
+        crate::driver::set_pdl(pdl);
+        let g = Graph::capture(&model.backend.ctx.gpu, || {
+            let logits = model.forward(ids, layout, state, LogitRows::LastOfEachSpan)?.ptr();
+            sp::rows(&model.backend.ctx, &sp::SampleArgs { logits, ..*a }, layout.spans.len(), greedy)
+        });
+        crate::driver::set_pdl(false);
+        g
+    }
+
+    /// `step` of rows none of which has a token mask: one graph launch (where captured).
+    pub fn step_unmasked(&mut self, state: &mut CudaState, rows: &[BatchRow]) -> Result<Vec<u32>> {
+        if self.whole.is_none() {
+            return self.step(state, rows, &mut || vec![None; rows.len()]);
+        }
+        self.begin(state, rows)?;
+        self.set_params(rows, &vec![None; rows.len()])?;
+        self.whole.as_ref().expect("checked above").launch(&self.ctx.gpu)?;
+        self.finish(rows)
     }
 
     /// Runs one decode step of `rows` (at most `bucket`, distinct slots) and returns the sampled
@@ -224,6 +278,39 @@ impl BatchGraph {
     /// work overlaps the GPU's), and the rows' masks (one entry per row, see `TokenMasks`) and
     /// changed parameters are copied before the sampling graph's.
     pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow], masks: &mut dyn FnMut() -> TokenMasks) -> Result<Vec<u32>> {
+        let n = rows.len();
+        self.begin(state, rows)?;
+        self.forward.launch(&self.ctx.gpu)?;
+        let masks = masks();
+        if masks.len() != n {
+            return Err(Error::Op { op: "batch decode", msg: format!("{} token masks for {n} rows", masks.len()) });
+        }
+        if let Some(m) = masks.iter().flatten().find(|m| m.len() != self.words) {
+            return Err(Error::Op { op: "batch decode", msg: format!("a token mask of {} words, not {}", m.len(), self.words) });
+        }
+        // The uploads below are queued on the graphs' stream (`DevBuf::upload`:
+        // cuMemcpyHtoDAsync on `Gpu::stream`), so they land after the forward graph and before
+        // the sampling graph, the only reader of `params` and `masks`; the previous step's
+        // sampling graph finished before its tokens came back. (From pageable memory the driver
+        // may wait for the forward graph before it stages a copy: the masks are ready by then.)
+        self.set_params(rows, &masks)?;
+        // The masked rows' masks, in one copy from the first masked row to the last.
+        let masked: Vec<usize> = (0..n).filter(|&i| masks[i].is_some()).collect();
+        if let (Some(&lo), Some(&hi)) = (masked.first(), masked.last()) {
+            let w = self.words;
+            self.host_masks.resize((hi + 1 - lo) * w, 0);
+            for &i in &masked {
+                self.host_masks[(i - lo) * w..(i - lo + 1) * w].copy_from_slice(masks[i].as_deref().expect("a masked row"));
+            }
+            self.masks.upload(lo * w * 4, bytemuck::cast_slice(&self.host_masks))?;
+        }
+        self.sample.launch(&self.ctx.gpu)?;
+        self.finish(rows)
+    }
+
+    /// Checks the rows, extends their KV blocks, uploads the inputs unless the step continues
+    /// the last one, and counts the step's position in the cache lengths.
+    fn begin(&mut self, state: &mut CudaState, rows: &[BatchRow]) -> Result<()> {
         let n = rows.len();
         if n == 0 || n > self.bucket {
             return Err(Error::Op { op: "batch decode", msg: format!("{n} rows for a graph of {}", self.bucket) });
@@ -239,32 +326,28 @@ impl BatchGraph {
                 });
             }
         }
-        let bk = self.bucket;
-        let mut input = vec![0i32; 4 * bk];
-        input[bk..2 * bk].fill(-1);
-        for (i, r) in rows.iter().enumerate() {
-            input[i] = r.token as i32;
-            input[bk + i] = r.slot as i32;
-            input[2 * bk + i] = r.pos as i32;
-            input[3 * bk + i] = r.index.min(i32::MAX as usize) as i32;
+        if self.continued.as_deref() != Some(rows) {
+            self.continued = None;
+            let bk = self.bucket;
+            let mut input = vec![0i32; 4 * bk];
+            input[bk..2 * bk].fill(-1);
+            for (i, r) in rows.iter().enumerate() {
+                input[i] = r.token as i32;
+                input[bk + i] = r.slot as i32;
+                input[2 * bk + i] = r.pos as i32;
+                input[3 * bk + i] = r.index.min(i32::MAX as usize) as i32;
+            }
+            self.inputs.upload(0, bytemuck::cast_slice(&input))?;
         }
-        self.inputs.upload(0, bytemuck::cast_slice(&input))?;
+        self.continued = None;
         for r in rows {
             state.slot_mut(r.slot)?.attn_len.iter_mut().for_each(|l| *l += 1);
         }
-        self.forward.launch(&self.ctx.gpu)?;
-        let masks = masks();
-        if masks.len() != n {
-            return Err(Error::Op { op: "batch decode", msg: format!("{} token masks for {n} rows", masks.len()) });
-        }
-        if let Some(m) = masks.iter().flatten().find(|m| m.len() != self.words) {
-            return Err(Error::Op { op: "batch decode", msg: format!("a token mask of {} words, not {}", m.len(), self.words) });
-        }
-        // The uploads below are queued on the graphs' stream (`DevBuf::upload`:
-        // cuMemcpyHtoDAsync on `Gpu::stream`), so they land after the forward graph and before
-        // the sampling graph, the only reader of `params` and `masks`; the previous step's
-        // sampling graph finished before its tokens came back. (From pageable memory the driver
-        // may wait for the forward graph before it stages a copy: the masks are ready by then.)
+        Ok(())
+    }
+
+    /// Uploads the rows' sampling parameters where they changed (`masked` from `masks`).
+    fn set_params(&mut self, rows: &[BatchRow], masks: &TokenMasks) -> Result<()> {
         let mut changed = false;
         for (i, r) in rows.iter().enumerate() {
             let p = sp::SampleParams { masked: masks[i].is_some() as i32, ..r.params };
@@ -276,20 +359,25 @@ impl BatchGraph {
         if changed {
             self.params.upload(0, bytemuck::cast_slice(&self.host_params))?;
         }
-        // The masked rows' masks, in one copy from the first masked row to the last.
-        let masked: Vec<usize> = (0..n).filter(|&i| masks[i].is_some()).collect();
-        if let (Some(&lo), Some(&hi)) = (masked.first(), masked.last()) {
-            let w = self.words;
-            self.host_masks.resize((hi + 1 - lo) * w, 0);
-            for &i in &masked {
-                self.host_masks[(i - lo) * w..(i - lo + 1) * w].copy_from_slice(masks[i].as_deref().expect("a masked row"));
-            }
-            self.masks.upload(lo * w * 4, bytemuck::cast_slice(&self.host_masks))?;
-        }
-        self.sample.launch(&self.ctx.gpu)?;
+        Ok(())
+    }
+
+    /// Reads the sampled tokens and notes what the device inputs now hold.
+    fn finish(&mut self, rows: &[BatchRow]) -> Result<Vec<u32>> {
+        let n = rows.len();
         let mut out = vec![0i32; n];
-        self.tokens.download(0, bytemuck::cast_slice_mut(&mut out))?;
-        Ok(out.into_iter().map(|t| t as u32).collect())
+        self.inputs.download(0, bytemuck::cast_slice_mut(&mut out))?;
+        let out: Vec<u32> = out.into_iter().map(|t| t as u32).collect();
+        self.continued =
+            Some(rows.iter().zip(&out).map(|(r, &token)| BatchRow { token, pos: r.pos + 1, index: r.index + 1, ..*r }).collect());
+        Ok(out)
+    }
+
+    /// The logits of the first `rows` rows of the last step, [rows, vocab] (for tests).
+    pub fn logits(&self, rows: usize) -> Result<Vec<f32>> {
+        let mut v = vec![0f32; rows.min(self.bucket) * self.vocab];
+        crate::driver::download_raw(&self.ctx.gpu, self.logits, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(v)
     }
 }
 

@@ -28,10 +28,10 @@ pub struct DeviceBatch {
     pub rows: usize,
 }
 
-/// Whether `batch` goes through this module: every span one token, and several of them (a lone
-/// token keeps the per-span path) unless a captured step is being recorded.
-pub fn applies(b: &CudaBackend, batch: &BatchLayout) -> bool {
-    batch.spans.iter().all(|s| s.len == 1) && (batch.spans.len() > 1 || b.device_batch().is_some())
+/// Whether `batch` goes through this module: every span one token (a lone token too, so that an
+/// op-level decode step runs the kernels of the captured one and gives the same logits).
+pub fn applies(_b: &CudaBackend, batch: &BatchLayout) -> bool {
+    batch.spans.iter().all(|s| s.len == 1)
 }
 
 /// Device slots and positions of the rows: the captured step's buffers, or the layout's, uploaded

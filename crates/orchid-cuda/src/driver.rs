@@ -650,3 +650,12 @@ impl Drop for Graph {
         }
     }
 }
+
+/// Copies `out.len()` bytes from device address `ptr` (memory the caller knows to be that large,
+/// e.g. a graph's arena) to the host and waits.
+pub fn download_raw(gpu: &Gpu, ptr: u64, out: &mut [u8]) -> Result<()> {
+    // SAFETY: the caller vouches for the device range; the stream is synchronised before `out`
+    // is used.
+    unsafe { check(sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, ptr, out.len(), gpu.stream), "cuMemcpyDtoHAsync")? };
+    gpu.synchronize()
+}

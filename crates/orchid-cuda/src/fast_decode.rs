@@ -1,24 +1,21 @@
-//! The engine's fast single-sequence decode on CUDA: [`GraphFastDecode`] implements
-//! `orchid_model::FastDecode` with one [`DecodeGraph`] per (state slot, greedy/sampled), captured
-//! on first use and kept for the life of the engine (a slot's state buffers never move, so a
-//! graph stays valid when the slot is freed and handed to the next request).
+//! The engine's fast decode on CUDA: [`GraphFastDecode`] implements `orchid_model::FastDecode`
+//! with one [`BatchGraph`] per (bucket, greedy/sampled), captured on first use and kept for the
+//! life of the engine. A lone sequence is a batch of one (bucket 1): the same capture of
+//! `Model::forward` as every other bucket, so there is one model walk on the GPU.
 //!
 //! Synchronisation with the generic (op-level) path. A graph's inputs are device integers of its
-//! own: the input token, the position and the step counter (the sampler writes the sampled token
-//! into the input and advances position and counter). The KV cache and the GDN states are the
-//! engine's `CudaState`, shared with the op-level path, and `DecodeGraph::launch` keeps the
-//! slot's `attn_len` in step. The decoder mirrors each graph's input token / position / counter
-//! on the host and uploads them only when the engine's step does not continue where the graph's
-//! last step stopped (first step after a prefill, steps after a batched op-level stretch, a new
-//! request in the slot): so consecutive fast steps need no host-to-device copy, and any
-//! interleaving with `Model::forward` is correct.
+//! own per row (input token, slot, position, step counter); its sampler writes each row's token
+//! into the row's input and advances position and counter, and `BatchGraph::step` uploads the
+//! inputs only when the engine's step does not continue where the graph's last step stopped. The
+//! KV cache and the GDN states are the engine's `CudaState`, shared with the op-level path, and
+//! the graph keeps each slot's `attn_len` in step: any interleaving with `Model::forward` is
+//! correct.
 //!
 //! Sampling runs on the GPU (`kernels/sampling.cu`): greedy is the same argmax as the host
 //! sampler (lowest id among equal maxima); temperature/top-k/top-p/min-p draw from a counter-based
 //! generator keyed by (seed, token index), so seeded output is reproducible on this path but is
-//! not the host sampler's random stream. A step under a grammar has a token mask, which only the
-//! batch graphs read (`masks`): the engine sends such a sequence through `step_batch`, alone as a
-//! batch of one if need be, and the batch graph asks for the masks once its forward pass runs.
+//! not the host sampler's random stream. A row under a grammar has a token mask, which the
+//! graph asks for once its forward pass runs (`masks`).
 
 use std::collections::HashMap;
 
@@ -28,24 +25,12 @@ use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, TokenMas
 
 use crate::CudaBackend;
 use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
-use crate::decode_graph::DecodeGraph;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
 
-struct Cached {
-    graph: DecodeGraph,
-    params: SampleParams,
-    /// What the graph's device input token holds (None: unknown, upload before the next step).
-    token: Option<u32>,
-    /// What its device step counter holds.
-    counter: Option<usize>,
-}
-
-/// Cached decode graphs per (slot, greedy), and batched ones per (bucket, greedy); see the
-/// module docs.
+/// Batch graphs per (bucket, greedy); see the module docs.
 #[derive(Default)]
 pub struct GraphFastDecode {
-    graphs: HashMap<(usize, bool), Cached>,
     batches: HashMap<(usize, bool), BatchGraph>,
 }
 
@@ -84,71 +69,21 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     }
 
     fn prepare(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, sampling: &DeviceSampling) -> Result<()> {
-        let p = sample_params(sampling);
-        let key = (slot, p.is_greedy());
-        match self.graphs.get_mut(&key) {
-            Some(c) => {
-                if c.params != p {
-                    c.graph.set_params(p)?;
-                    c.params = p;
-                }
-            }
-            None => {
-                let t = std::time::Instant::now();
-                let graph = DecodeGraph::new(model, state, slot, p)?;
-                tracing::info!(
-                    "decode graph for slot {slot} ({}) captured in {:.0} ms: {} kernels per step, pdl {}",
-                    if key.1 { "greedy" } else { "sampled" },
-                    t.elapsed().as_secs_f64() * 1e3,
-                    graph.kernels_per_step,
-                    graph.pdl
-                );
-                self.graphs.insert(key, Cached { graph, params: p, token: None, counter: None });
-            }
-        }
-        Ok(())
+        self.prepare_batch(model, state, &[DecodeStep { slot, token: 0, pos: 0, index: 0, sampling: *sampling }])
     }
 
+    /// A lone sequence without a grammar: the bucket-1 graph's one-launch step.
     fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<u32> {
-        let p = sample_params(&step.sampling);
-        let key = (step.slot, p.is_greedy());
-        let c = self
-            .graphs
-            .get_mut(&key)
-            .ok_or_else(|| Error::Op { op: "decode", msg: format!("no decode graph for slot {} (prepare first)", step.slot) })?;
-        if c.params != p {
-            return Err(Error::Op { op: "decode", msg: "the sampling parameters changed since prepare".into() });
-        }
-        let r = (|| {
-            if c.token != Some(step.token) || c.graph.pos_host != step.pos {
-                c.token = None;
-                c.graph.set_input(step.token, step.pos)?;
-                c.token = Some(step.token);
-            }
-            // The counter only feeds the seeded generator.
-            if !key.1 && c.counter != Some(step.index) {
-                c.counter = None;
-                c.graph.set_step(step.index)?;
-                c.counter = Some(step.index);
-            }
-            c.graph.step(state)
-        })();
-        match r {
-            Ok(tok) => {
-                c.token = Some(tok);
-                c.counter = c.counter.map(|n| n + 1);
-                Ok(tok)
-            }
-            Err(e) => {
-                c.token = None;
-                c.counter = None;
-                Err(e)
-            }
-        }
+        let steps = std::slice::from_ref(step);
+        let row = BatchRow { slot: step.slot, token: step.token, pos: step.pos, index: step.index, params: sample_params(&step.sampling) };
+        let graph = self
+            .batches
+            .get_mut(&batch_key(steps))
+            .ok_or_else(|| Error::Op { op: "decode", msg: "no decode graph for one row (prepare first)".into() })?;
+        Ok(graph.step_unmasked(state, &[row])?[0])
     }
 
-    /// The batch graphs read a token mask per row (a lone masked sequence runs in the smallest
-    /// bucket); the single-sequence graphs take none.
+    /// The batch graphs read a token mask per row.
     fn masks(&self) -> bool {
         true
     }
@@ -159,7 +94,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
             let t = std::time::Instant::now();
             let g = BatchGraph::new(model, state, key.0, key.1)?;
             tracing::info!(
-                "batched decode graph for {} rows ({}) captured in {:.0} ms: {} nodes, pdl {}",
+                "decode graph for {} rows ({}) captured in {:.0} ms: {} nodes, pdl {}",
                 key.0,
                 if key.1 { "greedy" } else { "sampled" },
                 t.elapsed().as_secs_f64() * 1e3,
@@ -186,16 +121,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         let graph = self
             .batches
             .get_mut(&key)
-            .ok_or_else(|| Error::Op { op: "decode", msg: "no batched decode graph (prepare_batch first)".into() })?;
-        // The single-sequence graphs' device inputs are stale once their slots moved on here.
-        for s in steps {
-            for greedy in [false, true] {
-                if let Some(c) = self.graphs.get_mut(&(s.slot, greedy)) {
-                    c.token = None;
-                    c.counter = None;
-                }
-            }
-        }
+            .ok_or_else(|| Error::Op { op: "decode", msg: "no decode graph for this batch (prepare_batch first)".into() })?;
         graph.step(state, &rows, masks)
     }
 }

@@ -7,12 +7,12 @@
 //! with f32 accumulation (weights stay 4-bit in memory, see `weights`). The op-level [`Backend`]
 //! implementation serves prefill and any batch (`layers`: attention, DeltaNet and MoE blocks;
 //! `decode_rows`: the blocks of a batch of one-token spans, one launch for all rows) and fuses
-//! the patterns the model names (`norm_matmuls`, `matmul_add`, `moe_block`). [`BatchGraph`] is a
-//! capture of `Model::forward` over such a batch and one of the sampling per row on the GPU (two
+//! the patterns the model names (`norm_matmuls`, `matmul_add`, `moe_block`; one token takes the
+//! fused decode kernels). [`BatchGraph`] is the decode path: a capture of `Model::forward` over
+//! such a batch (one row for a lone sequence) and one of the sampling per row on the GPU (two
 //! graphs, so that the rows' grammar masks are computed while the first runs), its inputs in
-//! device buffers; [`DecodeGraph`] is the single-sequence path: one CUDA graph per step, fused
-//! kernels, the sampled token written on the GPU into the next step's input. [`GraphFastDecode`]
-//! offers both to the engine (`orchid_model::FastDecode`).
+//! device buffers, the sampled tokens written on the GPU into the next step's inputs.
+//! [`GraphFastDecode`] offers it to the engine (`orchid_model::FastDecode`).
 //!
 //! Kernels and launchers share names: `kernels/X.cu` is launched by `ops/X.rs`; the argument
 //! structs and shared constants are defined once in Rust and emitted into the CUDA source
@@ -23,7 +23,6 @@ pub mod abi;
 pub mod batch_graph;
 pub mod bf16ref;
 pub mod compile;
-pub mod decode_graph;
 pub mod decode_rows;
 pub mod driver;
 pub mod fast_decode;
@@ -44,7 +43,6 @@ use orchid_model::linear::LinearWeight;
 use orchid_model::weights::HostMlp;
 
 pub use batch_graph::{BatchGraph, BatchRow};
-pub use decode_graph::DecodeGraph;
 pub use driver::{available, probe};
 pub use fast_decode::GraphFastDecode;
 pub use ops::sampling::SampleParams;

@@ -7,7 +7,8 @@
 mod common;
 
 use common::*;
-use orchid_cuda::{CudaBackend, DecodeGraph, SampleParams};
+use orchid_cuda::batch_graph::{BatchGraph, BatchRow};
+use orchid_cuda::{CudaBackend, SampleParams};
 use orchid_model::Model;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows};
@@ -31,13 +32,20 @@ fn run(m: &Model<CudaBackend>, ids: &[u32], chunk: usize, decode: usize) -> Run 
         pos += ch.len();
         last = Some(l);
     }
-    let last = last.unwrap();
-    let mut graph = DecodeGraph::new(m, &mut st, slot, SampleParams::greedy(v)).unwrap();
-    let mut tokens = vec![graph.start(last.row_ptr(last.rows - 1), ids.len()).unwrap()];
+    assert!(last.is_some());
+    // The first token as the engine takes it (host argmax of the prompt's last logits), then the
+    // one-row decode graph.
+    let l = &prefill[prefill.len() - v..];
+    let first = (0..v).max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a))).unwrap() as u32;
+    let mut graph = BatchGraph::new(m, &mut st, 1, true).unwrap();
+    let mut row = BatchRow { slot, token: first, pos: ids.len(), index: 1, params: SampleParams::greedy(v) };
+    let mut tokens = vec![first];
     let mut dec = Vec::new();
     for _ in 0..decode {
-        tokens.push(graph.step(&mut st).unwrap());
-        dec.extend(graph.logits().unwrap());
+        let t = graph.step_unmasked(&mut st, std::slice::from_ref(&row)).unwrap()[0];
+        tokens.push(t);
+        dec.extend(graph.logits(1).unwrap());
+        row = BatchRow { token: t, pos: row.pos + 1, index: row.index + 1, ..row };
     }
     Run { prefill, decode: dec, tokens }
 }

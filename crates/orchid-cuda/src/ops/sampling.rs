@@ -62,7 +62,8 @@ pub fn general(c: &Ctx, a: &SampleArgs) -> Result<()> {
 }
 
 /// `argmax` / `general` of each row of [rows, vocab] logits (`SampleArgs` of row 0; the
-/// parameters, partials, counters, tokens, step counters and masks of the rows follow each other).
+/// parameters, partials, counters, tokens, positions, step counters and masks of the rows follow
+/// each other).
 pub fn rows(c: &Ctx, a: &SampleArgs, rows: usize, greedy: bool) -> Result<()> {
     if greedy {
         c.k("sample_argmax_rows").launch(&c.gpu, (ARGMAX_BLOCKS as u32, rows as u32, 1), 256, 0, a)

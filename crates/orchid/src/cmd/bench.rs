@@ -1,7 +1,8 @@
 //! `orchid bench`: prefill and decode speed on the GPU, following the protocol of docs/status.md: batch 1,
 //! greedy, synthetic prompt token i = (i·2654435761 mod 2³²) mod vocab, the ten lengths
 //! 256…131072, prefill tok/s = prompt tokens / time until the first sampled token is on the
-//! host, decode tok/s = 64 further tokens / their time (CUDA-graph decode, one host read per
+//! host (the first token sampled on the host from the prefill's logits, as the engine does),
+//! decode tok/s = 64 further tokens / their time (the decode graph of one row, one host read per
 //! token), a warm-up run per length, median of `--runs` with the spread, peak GPU memory, the
 //! bytes and FLOPs per token and the fraction of the measured ceilings. `--check-cpu N` also
 //! compares N teacher-forced positions with the CPU backend.
@@ -11,7 +12,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use orchid_cuda::{CudaBackend, DecodeGraph, SampleParams};
+use orchid_cuda::batch_graph::{BatchGraph, BatchRow};
+use orchid_cuda::{CudaBackend, SampleParams};
 use orchid_model::config::ModelConfig;
 use orchid_model::{Backend, BatchLayout, LogitRows, Model, StateOptions, StatePool};
 use serde_json::json;
@@ -173,18 +175,40 @@ struct RunResult {
     tokens: Vec<u32>,
 }
 
+/// The greedy token of the first row of `logits` (the host sampler's: lowest id among equal maxima).
+fn argmax_first(m: &Model<CudaBackend>, logits: &orchid_cuda::CudaTensor) -> Result<u32> {
+    let l = m.backend.to_host(logits)?;
+    let v = m.config.vocab_size;
+    Ok((0..v).max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a))).unwrap_or(0) as u32)
+}
+
+/// `n` greedy tokens from the one-row decode graph after `token` at `pos` of `slot`.
+fn decode_tokens(
+    m: &Model<CudaBackend>,
+    graph: &mut BatchGraph,
+    state: &mut orchid_cuda::CudaState,
+    (slot, token, pos): (usize, u32, usize),
+    n: usize,
+) -> Result<Vec<u32>> {
+    let mut row = BatchRow { slot, token, pos, index: 1, params: SampleParams::greedy(m.config.vocab_size) };
+    let mut tokens = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = graph.step_unmasked(state, std::slice::from_ref(&row))?[0];
+        tokens.push(t);
+        row = BatchRow { token: t, pos: row.pos + 1, index: row.index + 1, ..row };
+    }
+    Ok(tokens)
+}
+
 fn run_once(
     m: &Model<CudaBackend>,
     state: &mut orchid_cuda::CudaState,
-    graph: &mut DecodeGraph,
+    graph: &mut BatchGraph,
     prompt: &[u32],
     chunk: usize,
     decode: usize,
 ) -> Result<RunResult> {
     let slot = state.alloc().context("no free state slot")?;
-    if slot != graph.slot {
-        bail!("state slot {slot} is not the captured slot {}", graph.slot);
-    }
     m.backend.gpu().synchronize()?;
     let t0 = Instant::now();
     let mut logits = None;
@@ -193,13 +217,10 @@ fn run_once(
         logits = Some(m.forward(ch, &BatchLayout::single(slot, pos, ch.len()), state, LogitRows::LastOfEachSpan)?);
         pos += ch.len();
     }
-    let first = graph.start(logits.unwrap().ptr(), prompt.len())?;
+    let first = argmax_first(m, &logits.context("an empty prompt")?)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    let mut tokens = Vec::with_capacity(decode);
-    for _ in 0..decode {
-        tokens.push(graph.step(state)?);
-    }
+    let tokens = decode_tokens(m, graph, state, (slot, first, prompt.len()), decode)?;
     let decode_s = t1.elapsed().as_secs_f64();
     state.free(slot);
     Ok(RunResult { prefill_s, decode_s, first, tokens })
@@ -243,15 +264,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if !a.no_speed {
         let max_len = *lengths.iter().max().unwrap_or(&256).max(&(a.profile_context + a.profile_length));
         let mut state = m.new_state(StateOptions::new(1, max_len + a.decode + 64))?;
-        let slot = state.alloc().context("state slot")?;
-        let mut graph = DecodeGraph::new(&m, &mut state, slot, SampleParams::greedy(v))?;
-        state.free(slot);
-        tracing::info!("decode graph: {} kernels per step", graph.kernels_per_step);
-        report["kernels_per_decode_step"] = json!(graph.kernels_per_step);
+        let mut graph = BatchGraph::new(&m, &mut state, 1, true)?;
+        tracing::info!("decode graph: {} nodes per step", graph.nodes);
+        report["decode_graph_nodes"] = json!(graph.nodes);
         report["decode_graph_pdl"] = json!(graph.pdl);
         tracing::info!("decode graph: programmatic dependent launch {}", if graph.pdl { "on" } else { "off" });
         if a.profile {
-            report["profile"] = profile(&m, &mut state, &mut graph, a.profile_context, a.profile_length, a.chunk)?;
+            report["profile"] = profile(&m, &mut state, a.profile_context, a.profile_length, a.chunk)?;
         }
         let mut rows = Vec::new();
         let t_start = Instant::now();
@@ -334,7 +353,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn profile(
     m: &Model<CudaBackend>,
     state: &mut orchid_cuda::CudaState,
-    graph: &mut DecodeGraph,
     context: usize,
     len: usize,
     chunk: usize,
@@ -362,18 +380,15 @@ fn profile(
     let ev = driver::profile_end();
     let pre = driver::profile_summary(&ev)?;
     drop(ev);
-    let mut pg = DecodeGraph::new_profiled(m, state, slot, SampleParams::greedy(v))?;
-    pg.start(logits.unwrap().ptr(), context + len)?;
-    for _ in 0..3 {
-        pg.step(state)?;
-    }
+    let first = argmax_first(m, &logits.context("an empty profile prompt")?)?;
+    let mut pg = BatchGraph::new_profiled(m, state, 1, true)?;
+    let toks = decode_tokens(m, &mut pg, state, (slot, first, context + len), 3)?;
     let t1 = Instant::now();
-    pg.step(state)?;
+    decode_tokens(m, &mut pg, state, (slot, toks[2], context + len + 3), 1)?;
     let step_ms = t1.elapsed().as_secs_f64() * 1e3;
     let dec = pg.profile_summary()?;
     drop(pg);
     state.free(slot);
-    let _ = graph;
     let table = |title: &str, rows: &[(&'static str, usize, f64)], wall: f64| {
         let total: f64 = rows.iter().map(|r| r.2).sum();
         eprintln!("{title}: {total:.3} ms of kernels, {wall:.3} ms wall");
