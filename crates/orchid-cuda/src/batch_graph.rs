@@ -9,7 +9,9 @@
 //! bucket size serves whatever sequences are running; rows past the running ones are padding
 //! (slot −1: their attention and GDN blocks write zeros and touch no state). The temporaries of
 //! both graphs are carved from one arena (`Arena`), which never reuses memory: the logits the
-//! forward graph leaves there are still intact when the sampling graph reads them. Between
+//! forward graph leaves there are still intact when the sampling graph reads them. Graphs of
+//! different buckets may share one arena (`new_in`): only one step runs at a time, and a step's
+//! temporaries are dead once its tokens are read. Between
 //! replays the host does what the captured walk cannot: it makes sure every row's KV blocks exist
 //! and keeps the per-layer cache lengths in step, as the eager decode-rows path would
 //! (`decode_rows`).
@@ -77,7 +79,7 @@ pub struct BatchGraph {
     /// Whether the forward graph's kernels are chained by programmatic dependent launch.
     pub pdl: bool,
     /// The step's temporaries, both graphs' (see `Arena`).
-    _arena: Option<DevBuf>,
+    arena: Option<Arc<DevBuf>>,
     /// Per-launch timing events when captured with `profile` (see `profile_summary`).
     prof: Vec<(&'static str, crate::driver::Event)>,
 }
@@ -85,12 +87,29 @@ pub struct BatchGraph {
 impl BatchGraph {
     /// Captures the decode step of `bucket` rows, sampling greedily or with the general sampler.
     pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool) -> Result<BatchGraph> {
-        Self::build(model, state, bucket, greedy, false)
+        Self::build(model, state, bucket, greedy, false, &mut None)
+    }
+
+    /// Like `new`, with the step's temporaries in `arena` when it is large enough; else in a new
+    /// arena, which replaces it there (graphs captured in the old one keep it alive).
+    pub fn new_in(
+        model: &Model<CudaBackend>,
+        state: &mut CudaState,
+        bucket: usize,
+        greedy: bool,
+        arena: &mut Option<Arc<DevBuf>>,
+    ) -> Result<BatchGraph> {
+        Self::build(model, state, bucket, greedy, false, arena)
     }
 
     /// Like `new`, with a timing event after every launch of the step (slower; for profiles).
     pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool) -> Result<BatchGraph> {
-        Self::build(model, state, bucket, greedy, true)
+        Self::build(model, state, bucket, greedy, true, &mut None)
+    }
+
+    /// Bytes of the arena the graph's temporaries are carved from.
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.bytes)
     }
 
     /// Time per kernel name over the last replayed step: (name, launches, ms), largest first. The
@@ -100,7 +119,14 @@ impl BatchGraph {
         crate::driver::profile_summary(&self.prof)
     }
 
-    fn build(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool, profile: bool) -> Result<BatchGraph> {
+    fn build(
+        model: &Model<CudaBackend>,
+        state: &mut CudaState,
+        bucket: usize,
+        greedy: bool,
+        profile: bool,
+        shared: &mut Option<Arc<DevBuf>>,
+    ) -> Result<BatchGraph> {
         let b = &model.backend;
         let ctx = b.ctx.clone();
         let gpu = ctx.gpu.clone();
@@ -163,7 +189,11 @@ impl BatchGraph {
             (Err(e), _) => (Err(e), None, false),
             (Ok(first), m) => {
                 drop(first);
-                let arena = DevBuf::alloc(&gpu, m.bytes())?;
+                let arena = match shared.as_ref().filter(|a| a.bytes >= m.bytes()) {
+                    Some(a) => a.clone(),
+                    None => Arc::new(DevBuf::alloc(&gpu, m.bytes())?),
+                };
+                *shared = Some(arena.clone());
                 let carve = || Arena::Carve { base: arena.ptr, size: arena.bytes, used: 0 };
                 let pdl = !profile && ctx.pdl;
                 let mut r = capture(carve(), pdl, &mut prof).0;
@@ -212,7 +242,7 @@ impl BatchGraph {
             nodes,
             pdl,
             prof,
-            _arena: arena,
+            arena,
         })
     }
 

@@ -1,7 +1,9 @@
 //! The engine's fast decode on CUDA: [`GraphFastDecode`] implements `orchid_model::FastDecode`
 //! with one [`BatchGraph`] per (bucket, greedy/sampled), captured on first use and kept for the
 //! life of the engine. A lone sequence is a batch of one (bucket 1): the same capture of
-//! `Model::forward` as every other bucket, so there is one model walk on the GPU.
+//! `Model::forward` as every other bucket, so there is one model walk on the GPU. All the graphs
+//! carve their step's temporaries from one arena (one step runs at a time), sized by the largest
+//! bucket, which is captured first (`with_max_rows`).
 //!
 //! Synchronisation with the generic (op-level) path. A graph's inputs are device integers of its
 //! own per row (input token, slot, position, step counter); its sampler writes each row's token
@@ -18,6 +20,7 @@
 //! graph asks for once its forward pass runs (`masks`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use orchid_model::Model;
 use orchid_model::error::{Error, Result};
@@ -25,18 +28,47 @@ use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, TokenMas
 
 use crate::CudaBackend;
 use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
+use crate::driver::DevBuf;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
 
-/// Batch graphs per (bucket, greedy); see the module docs.
+/// Batch graphs per (bucket, greedy) and their shared arena; see the module docs.
 #[derive(Default)]
 pub struct GraphFastDecode {
     batches: HashMap<(usize, bool), BatchGraph>,
+    arena: Option<Arc<DevBuf>>,
+    /// The most rows a step will have (the engine's `max_seqs`; 0: unknown).
+    max_rows: usize,
 }
 
 impl GraphFastDecode {
     pub fn new() -> GraphFastDecode {
         GraphFastDecode::default()
+    }
+
+    /// A decoder for steps of up to `max_rows` sequences: the first graph it needs is preceded
+    /// by the largest bucket's, whose arena then serves every other bucket.
+    pub fn with_max_rows(max_rows: usize) -> GraphFastDecode {
+        GraphFastDecode { max_rows, ..GraphFastDecode::default() }
+    }
+
+    fn capture(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, key: (usize, bool)) -> Result<()> {
+        if self.batches.contains_key(&key) {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let g = BatchGraph::new_in(model, state, key.0, key.1, &mut self.arena)?;
+        tracing::info!(
+            "decode graph for {} rows ({}) captured in {:.0} ms: {} nodes, pdl {}, arena {:.1} MiB",
+            key.0,
+            if key.1 { "greedy" } else { "sampled" },
+            t.elapsed().as_secs_f64() * 1e3,
+            g.nodes,
+            g.pdl,
+            g.arena_bytes() as f64 / 1048576.0
+        );
+        self.batches.insert(key, g);
+        Ok(())
     }
 }
 
@@ -68,6 +100,14 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         "cuda graph"
     }
 
+    /// The greedy graphs of the largest bucket (first: its arena serves every bucket) and of one
+    /// row.
+    fn warm_up(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, max_rows: usize) -> Result<()> {
+        self.max_rows = self.max_rows.max(max_rows);
+        self.capture(model, state, (bucket_for(self.max_rows), true))?;
+        self.capture(model, state, (1, true))
+    }
+
     fn prepare(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, sampling: &DeviceSampling) -> Result<()> {
         self.prepare_batch(model, state, &[DecodeStep { slot, token: 0, pos: 0, index: 0, sampling: *sampling }])
     }
@@ -90,20 +130,11 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
 
     fn prepare_batch(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<()> {
         let key = batch_key(steps);
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.batches.entry(key) {
-            let t = std::time::Instant::now();
-            let g = BatchGraph::new(model, state, key.0, key.1)?;
-            tracing::info!(
-                "decode graph for {} rows ({}) captured in {:.0} ms: {} nodes, pdl {}",
-                key.0,
-                if key.1 { "greedy" } else { "sampled" },
-                t.elapsed().as_secs_f64() * 1e3,
-                g.nodes,
-                g.pdl
-            );
-            slot.insert(g);
+        let largest = bucket_for(self.max_rows);
+        if self.arena.is_none() && largest > key.0 {
+            self.capture(model, state, (largest, key.1))?;
         }
-        Ok(())
+        self.capture(model, state, key)
     }
 
     fn step_batch(

@@ -397,6 +397,12 @@ where
             if let Some(plan) = state.memory_plan() {
                 tracing::info!("memory plan: weights {:.2} GiB; {plan}", model.weight_bytes as f64 / 1073741824.0);
             }
+            let mut fast = fast;
+            if let Some(f) = fast.as_mut()
+                && let Err(e) = f.warm_up(&model, &mut state, opts2.max_seqs)
+            {
+                tracing::warn!("{}: warm-up failed ({e}); graphs are captured on first use", f.name());
+            }
             let _ = info2.set(Ok(ModelInfo {
                 device: model.backend.describe(),
                 max_context,

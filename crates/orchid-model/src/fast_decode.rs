@@ -69,6 +69,14 @@ pub trait FastDecode<B: Backend> {
     /// A short name for logs, e.g. "cuda graph".
     fn name(&self) -> &str;
 
+    /// Gets ready before the first request (e.g. captures the graphs for one sequence and for the
+    /// largest batch the engine will form, `max_rows`), without changing any sequence's state.
+    /// An error is logged and changes nothing: `prepare` and `prepare_batch` decide later.
+    fn warm_up(&mut self, model: &Model<B>, state: &mut B::State, max_rows: usize) -> Result<()> {
+        let _ = (model, state, max_rows);
+        Ok(())
+    }
+
     /// Gets ready to decode `slot` with `sampling` (e.g. captures a graph for the slot and
     /// caches it, or updates the cached graph's sampling parameters) without changing the
     /// sequence's state. An error means the fast path cannot be used: the engine logs it and

@@ -112,14 +112,16 @@ pub fn start_engine(dir: &Path, device: Device, opts: orchid_engine::engine::Eng
     };
     let tokenizer = std::sync::Arc::new(orchid_engine::Tokenizer::from_dir(dir).map_err(bad_model)?);
     let dir2 = dir.to_path_buf();
+    let max_seqs = opts.max_seqs;
     let engine = match resolve_device(device)? {
         Device::Cpu | Device::Auto => orchid_engine::engine::spawn(opts, tokenizer.clone(), move || load_cpu(&dir2)),
-        // The engine decodes a lone sequence through the CUDA decode graph (GPU sampling) and
-        // everything else through the op-level path (EngineOptions::fast_decode; ORCHID_DECODE_GRAPH=0
-        // turns it off, see env_options).
+        // The engine decodes through the CUDA decode graphs (GPU sampling) where the requests
+        // allow, and everything else through the op-level path (EngineOptions::fast_decode;
+        // ORCHID_DECODE_GRAPH=0 turns it off, see env_options).
         Device::Cuda => orchid_engine::engine::spawn_with(opts, tokenizer.clone(), move || {
             let model = load_cuda(&dir2)?;
-            let fast: Box<dyn orchid_model::FastDecode<orchid_cuda::CudaBackend>> = Box::new(orchid_cuda::GraphFastDecode::new());
+            let fast: Box<dyn orchid_model::FastDecode<orchid_cuda::CudaBackend>> =
+                Box::new(orchid_cuda::GraphFastDecode::with_max_rows(max_seqs));
             Ok(orchid_engine::engine::LoadedModel { model, fast_decode: Some(fast) })
         }),
     };
