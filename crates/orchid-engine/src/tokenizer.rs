@@ -17,6 +17,10 @@
 //! flagged `special` (in the Qwen3.5 file `<think>` and `<tool_call>` are not special, so they
 //! are kept, as in HF); unknown ids are dropped. Truncation and padding stored in
 //! `tokenizer.json` are switched off: an inference engine must never cut a prompt silently.
+//!
+//! Long texts are encoded through the [segment cache](segment_cache): cut before each message
+//! opener, with the ids of segments seen before (a conversation's earlier turns) reused, which
+//! gives exactly the ids of encoding the text whole.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -25,6 +29,9 @@ use std::path::Path;
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::Value;
 use tokenizers::DecoderWrapper;
+
+mod segment_cache;
+pub use segment_cache::{SEGMENT_CACHE_BYTES, SEGMENT_CACHE_MIN_TEXT, SegmentCacheStats};
 
 /// Ids of the markers that the reasoning and tool-call parsers look for (`None` when the
 /// vocabulary lacks the token).
@@ -56,6 +63,9 @@ pub struct Tokenizer {
     plain: std::sync::OnceLock<tokenizers::Tokenizer>,
     /// Bytes of the longest token (computed on first use).
     longest: std::sync::OnceLock<usize>,
+    /// Ids of the message segments of recent long texts (`None` where the tokenizer's
+    /// configuration would make cut encoding inexact).
+    segments: Option<segment_cache::SegmentCache>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -65,6 +75,7 @@ impl std::fmt::Debug for Tokenizer {
             .field("eos_token_ids", &self.eos_token_ids)
             .field("markers", &self.markers)
             .field("byte_level", &self.byte_level)
+            .field("segment_cache", &self.segments.is_some())
             .finish()
     }
 }
@@ -92,6 +103,7 @@ impl Tokenizer {
             tool_call_start: inner.token_to_id("<tool_call>"),
             tool_call_end: inner.token_to_id("</tool_call>"),
         };
+        let segments = segment_cache::SegmentCache::for_tokenizer(&inner, SEGMENT_CACHE_BYTES);
         let mut tok = Tokenizer {
             inner,
             eos_token_ids: Vec::new(),
@@ -101,6 +113,7 @@ impl Tokenizer {
             special_texts,
             plain: std::sync::OnceLock::new(),
             longest: std::sync::OnceLock::new(),
+            segments,
         };
         tok.eos_token_ids = tok.collect_eos_ids(dir)?;
         Ok(tok)
@@ -108,7 +121,15 @@ impl Tokenizer {
 
     /// Encodes `text`. Special tokens written in the text become their ids (as HF does);
     /// `add_special_tokens` runs the post-processor (BOS/EOS templates, none for Qwen).
+    /// Texts of [`SEGMENT_CACHE_MIN_TEXT`] bytes or more go through the segment cache where the
+    /// tokenizer has one (same ids, see [`segment_cache`]).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        if text.len() >= SEGMENT_CACHE_MIN_TEXT
+            && let Some(cache) = &self.segments
+        {
+            // The cache exists only where the post-processor adds no ids.
+            return cache.encode(&self.inner, text);
+        }
         let enc = self.inner.encode_fast(text, add_special_tokens).map_err(|e| anyhow!("tokenizer encode failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
@@ -117,6 +138,9 @@ impl Tokenizer {
     /// ranges `plain` encoded as ordinary text, as transformers does with
     /// `split_special_tokens=True`: a user who types `<|im_start|>` gets those characters, not a
     /// role marker. Outside `plain`, and where no special token is written, it is [`encode`].
+    /// The texts between the plain special tokens are encoded by [`encode`] (through the segment
+    /// cache when long): a segment cut falls only on an opener that is not inside such a cut,
+    /// which the whole-text encoding matches as a token too.
     ///
     /// [`encode`]: Tokenizer::encode
     pub fn encode_with_plain(&self, text: &str, plain: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
@@ -237,6 +261,11 @@ impl Tokenizer {
             }
         }
         Some(Cow::Owned(out))
+    }
+
+    /// Entries, bytes and hit counts of the segment cache (`None` when the tokenizer has none).
+    pub fn segment_cache_stats(&self) -> Option<SegmentCacheStats> {
+        self.segments.as_ref().map(|c| c.stats())
     }
 
     /// The wrapped `tokenizers` object, for uses this API does not cover.
