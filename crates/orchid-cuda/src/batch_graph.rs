@@ -1,7 +1,8 @@
 //! Batched decode: one token of each of up to `bucket` sequences per step, as two CUDA graphs:
 //! a capture of `Model::forward` over a batch of single-token spans, then one of the sampling of
 //! every row on the GPU with the row's own parameters and, for a row under a grammar, its token
-//! mask. The host launches the forward graph, gets the masks meanwhile (the engine computes them
+//! mask, after the row's penalties and logit bias (a sparse per-token list, `logit_adjust`). The
+//! host launches the forward graph, gets the masks and lists meanwhile (the engine computes them
 //! on the CPU while the GPU runs the forward pass), uploads them, and launches the sampling graph.
 //!
 //! The graphs read their inputs from device buffers (`DeviceBatch`: token ids, state slots,
@@ -19,11 +20,12 @@ use std::sync::Arc;
 use orchid_model::Model;
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
 use orchid_model::error::{Error, Result};
-use orchid_model::fast_decode::TokenMasks;
+use orchid_model::fast_decode::{LateInputs, TokenMasks};
 
 use crate::CudaBackend;
 use crate::decode_rows::DeviceBatch;
 use crate::driver::{Arena, DevBuf, Graph};
+use crate::logit_adjust::AdjustTable;
 use crate::ops::{Ctx, sampling as sp};
 use crate::state::CudaState;
 
@@ -55,6 +57,8 @@ pub struct BatchGraph {
     masks: DevBuf,
     /// Words per mask row: vocab.div_ceil(32).
     words: usize,
+    /// The rows' logit adjustments (read by the sampling graph, before its sampler).
+    adjust: AdjustTable,
     tokens: DevBuf,
     /// Sampling scratch (kept for the graph's lifetime).
     _partial: DevBuf,
@@ -106,6 +110,9 @@ impl BatchGraph {
         let params = DevBuf::from_slice(&gpu, &host_params)?;
         let words = v.div_ceil(32);
         let masks = DevBuf::zeros(&gpu, bucket * words * 4)?;
+        let adjust = AdjustTable::new(&gpu, bucket)?;
+        let adjust_args =
+            sp::AdjustArgs { logits: 0, offsets: adjust.offsets(), entries: adjust.entries(), params: params.ptr, vocab: v as i32, pad: 0 };
         let tokens = i32s(bucket)?;
         let partial = DevBuf::zeros(&gpu, bucket * sp::ARGMAX_BLOCKS * 8)?;
         let counters = i32s(bucket)?;
@@ -142,7 +149,7 @@ impl BatchGraph {
                 if profile {
                     crate::driver::profile_begin_capture()?;
                 }
-                let r = Self::capture_step(model, state, &ids, &layout, &sample, greedy, pdl);
+                let r = Self::capture_step(model, state, &ids, &layout, (&sample, &adjust_args), greedy, pdl);
                 if profile {
                     *prof = crate::driver::profile_end();
                 }
@@ -180,6 +187,7 @@ impl BatchGraph {
             params,
             masks,
             words,
+            adjust,
             tokens,
             _partial: partial,
             _counters: counters,
@@ -193,15 +201,16 @@ impl BatchGraph {
     }
 
     /// Captures the step's two graphs (inside the caller's arena): the forward pass over the
-    /// rows, then the sampling of every row from the logits the first leaves in the arena (`a`:
-    /// the sampling arguments of row 0, but for the logits). The sampling graph is launched
-    /// after the host's uploads, so its launch is not chained to the forward pass.
+    /// rows, then the logit adjustments and sampling of every row from the logits the first
+    /// leaves in the arena (`a`: the sampling arguments of row 0 and the adjustments', but for
+    /// the logits). The sampling graph is launched after the host's uploads, so its launch is not
+    /// chained to the forward pass.
     fn capture_step(
         model: &Model<CudaBackend>,
         state: &mut CudaState,
         ids: &[u32],
         layout: &BatchLayout,
-        a: &sp::SampleArgs,
+        (a, adj): (&sp::SampleArgs, &sp::AdjustArgs),
         greedy: bool,
         pdl: bool,
     ) -> Result<(Graph, Graph)> {
@@ -214,7 +223,11 @@ impl BatchGraph {
         });
         crate::driver::set_pdl(false);
         let forward = forward?;
-        let sample = Graph::capture(gpu, || sp::rows(&model.backend.ctx, &sp::SampleArgs { logits, ..*a }, layout.spans.len(), greedy))?;
+        let (ctx, rows) = (&model.backend.ctx, layout.spans.len());
+        let sample = Graph::capture(gpu, || {
+            sp::adjust_rows(ctx, &sp::AdjustArgs { logits, ..*adj }, rows)?;
+            sp::rows(ctx, &sp::SampleArgs { logits, ..*a }, rows, greedy)
+        })?;
         Ok((forward, sample))
     }
 
@@ -224,6 +237,13 @@ impl BatchGraph {
     /// work overlaps the GPU's), and the rows' masks (one entry per row, see `TokenMasks`) and
     /// changed parameters are copied before the sampling graph's.
     pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow], masks: &mut dyn FnMut() -> TokenMasks) -> Result<Vec<u32>> {
+        self.step_late(state, rows, &mut || masks().into())
+    }
+
+    /// `step` with the rows' logit adjustments: `late` is called where `step` calls `masks`, and
+    /// each row's list (see `LateInputs`; at most `logit_adjust::ROW_CAP` entries) is copied with
+    /// the masks and applied to the row's logits before its mask and sampler.
+    pub fn step_late(&mut self, state: &mut CudaState, rows: &[BatchRow], late: &mut dyn FnMut() -> LateInputs) -> Result<Vec<u32>> {
         let n = rows.len();
         if n == 0 || n > self.bucket {
             return Err(Error::Op { op: "batch decode", msg: format!("{n} rows for a graph of {}", self.bucket) });
@@ -253,7 +273,10 @@ impl BatchGraph {
             state.slot_mut(r.slot)?.attn_len.iter_mut().for_each(|l| *l += 1);
         }
         self.forward.launch(&self.ctx.gpu)?;
-        let masks = masks();
+        let LateInputs { masks, adjust } = late();
+        if !adjust.is_empty() && adjust.len() != n {
+            return Err(Error::Op { op: "batch decode", msg: format!("{} logit adjustment lists for {n} rows", adjust.len()) });
+        }
         if masks.len() != n {
             return Err(Error::Op { op: "batch decode", msg: format!("{} token masks for {n} rows", masks.len()) });
         }
@@ -286,6 +309,7 @@ impl BatchGraph {
             }
             self.masks.upload(lo * w * 4, bytemuck::cast_slice(&self.host_masks))?;
         }
+        self.adjust.upload(&adjust)?;
         self.sample.launch(&self.ctx.gpu)?;
         let mut out = vec![0i32; n];
         self.tokens.download(0, bytemuck::cast_slice_mut(&mut out))?;

@@ -19,12 +19,15 @@
 //! not the host sampler's random stream. A step under a grammar has a token mask, which only the
 //! batch graphs read (`masks`): the engine sends such a sequence through `step_batch`, alone as a
 //! batch of one if need be, and the batch graph asks for the masks once its forward pass runs.
+//! Penalties and logit bias go the same way: a step with a logit adjustment list (at most
+//! `logit_adjust::ROW_CAP` entries, `logit_adjust_cap`) runs through `step_batch`, whose sampling
+//! graph applies the list to the row's logits before its sampler.
 
 use std::collections::HashMap;
 
 use orchid_model::Model;
 use orchid_model::error::{Error, Result};
-use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, TokenMasks};
+use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, LateInputs};
 
 use crate::CudaBackend;
 use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
@@ -119,6 +122,9 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         if c.params != p {
             return Err(Error::Op { op: "decode", msg: "the sampling parameters changed since prepare".into() });
         }
+        if step.adjust > 0 {
+            return Err(Error::Op { op: "decode", msg: "a single-sequence step takes no logit adjustments (step_batch does)".into() });
+        }
         let r = (|| {
             if c.token != Some(step.token) || c.graph.pos_host != step.pos {
                 c.token = None;
@@ -153,6 +159,11 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         true
     }
 
+    /// The batch graphs' adjustment table holds `ROW_CAP` entries per row.
+    fn logit_adjust_cap(&self) -> usize {
+        crate::logit_adjust::ROW_CAP
+    }
+
     fn prepare_batch(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<()> {
         let key = batch_key(steps);
         if let std::collections::hash_map::Entry::Vacant(slot) = self.batches.entry(key) {
@@ -176,7 +187,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         _model: &Model<CudaBackend>,
         state: &mut CudaState,
         steps: &[DecodeStep],
-        masks: &mut dyn FnMut() -> TokenMasks,
+        late: &mut dyn FnMut() -> LateInputs,
     ) -> Result<Vec<u32>> {
         let rows: Vec<BatchRow> = steps
             .iter()
@@ -196,7 +207,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
                 }
             }
         }
-        graph.step(state, &rows, masks)
+        graph.step_late(state, &rows, late)
     }
 }
 
