@@ -26,9 +26,8 @@
 //! penalties and logit bias only on a decoder that takes them and within its cap), the decoding
 //! sequences run through it: one sequence through `step`, several at once through `step_batch`
 //! (one graph replay for all of them); prompts being prefilled then run in their own forward call
-//! in the same step. Anything
-//! else runs the generic step for everyone, and the next step that qualifies goes back to the
-//! fast path. All paths work on the same state, so switching at a step boundary is free (the
+//! in the same step. Anything else runs the generic step for everyone, and the next step that
+//! qualifies goes back to the fast path. All paths work on the same state, so switching at a step boundary is free (the
 //! fast decoder re-uploads its inputs when the generic path moved a sequence on). Stop tokens,
 //! stop strings, max_tokens, the context limit and streaming stay here, the same for all paths.
 //! Greedy output is the same on every path up to floating-point differences between the kernel
