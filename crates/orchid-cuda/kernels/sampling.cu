@@ -5,7 +5,9 @@
 // Shapes: logits [vocab] f32 (one row); ids ≥ `valid` are never chosen. A row may come with a
 // token mask (`SampleArgs::mask`, read when `SampleParams::masked` is set): u32 [ceil(vocab/32)],
 // token i allowed when bit i % 32 of word i / 32 is set. A masked-out token reads as a logit of
-// -inf, before any filter (as the host applies a grammar's mask before its sampler).
+// -inf, before any filter (as the host applies a grammar's mask before its sampler). A batch's
+// rows may also come with sparse logit adjustments (penalties, logit bias: `logit_adjust_rows`),
+// applied to the logits in place before the row's sampler runs.
 
 // The row's mask, or null when it has none.
 DEVI const u32* row_mask(const SampleArgs& a, const SampleParams& p) {
@@ -261,4 +263,30 @@ extern "C" __global__ void __launch_bounds__(256) sample_argmax_rows(const Sampl
 extern "C" __global__ void __launch_bounds__(SB) sample_general_rows(const SampleArgs a) {
     pdl_enter();
     sample_general_body(sample_row(a));
+}
+
+// Per-row sparse logit adjustments (penalties, logit bias), in place, before the row's sampler:
+// grid = rows, block 256. Row r's entries are entries[offsets[r] .. offsets[r + 1]], distinct
+// tokens, each applying the host sampler's rules in its order: + bias, then the repetition
+// penalty (a positive logit divided by it, any other multiplied), then - subtract (presence and
+// frequency). The neutral values (-0, 1, +0) leave a logit bit for bit as it is; the rounded
+// intrinsics keep every operation one IEEE operation (no contraction, no fast division), so the
+// result is the host's (orchid_model::apply_logit_adjust). Tokens ≥ the row's valid are skipped.
+extern "C" __global__ void __launch_bounds__(256) logit_adjust_rows(const AdjustArgs a) {
+    pdl_enter();
+    const int r = blockIdx.x;
+    const int* off = (const int*)a.offsets;
+    const int lo = off[r], hi = off[r + 1];
+    if (lo >= hi) return;
+    const SampleParams* p = (const SampleParams*)a.params + r;
+    const int valid = min(a.vocab, p->valid);
+    float* l = (float*)a.logits + (u64)r * a.vocab;
+    const AdjustEntry* e = (const AdjustEntry*)a.entries;
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const AdjustEntry x = e[j];
+        if (x.token < 0 || x.token >= valid) continue;
+        float v = __fadd_rn(l[x.token], x.bias);
+        v = v > 0.f ? __fdiv_rn(v, x.repetition) : __fmul_rn(v, x.repetition);
+        l[x.token] = __fsub_rn(v, x.subtract);
+    }
 }

@@ -1,7 +1,8 @@
 //! Batched decode: one token of each of up to `bucket` sequences per step, as two CUDA graphs:
 //! a capture of `Model::forward` over a batch of single-token spans, then one of the sampling of
 //! every row on the GPU with the row's own parameters and, for a row under a grammar, its token
-//! mask. The host launches the forward graph, gets the masks meanwhile (the engine computes them
+//! mask, after the row's penalties and logit bias (a sparse per-token list, `logit_adjust`). The
+//! host launches the forward graph, gets the masks and lists meanwhile (the engine computes them
 //! on the CPU while the GPU runs the forward pass), uploads them, and launches the sampling graph.
 //!
 //! The graphs read their inputs from device buffers (`DeviceBatch`: token ids, state slots,
@@ -21,11 +22,12 @@ use std::sync::Arc;
 use orchid_model::Model;
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
 use orchid_model::error::{Error, Result};
-use orchid_model::fast_decode::TokenMasks;
+use orchid_model::fast_decode::{LateInputs, TokenMasks};
 
 use crate::CudaBackend;
 use crate::decode_rows::DeviceBatch;
 use crate::driver::{Arena, DevBuf, Graph};
+use crate::logit_adjust::AdjustTable;
 use crate::ops::{Ctx, sampling as sp};
 use crate::state::CudaState;
 
@@ -68,6 +70,8 @@ pub struct BatchGraph {
     masks: DevBuf,
     /// Words per mask row: vocab.div_ceil(32).
     words: usize,
+    /// The rows' logit adjustments (read by the sampling graph, before its sampler).
+    adjust: AdjustTable,
     /// Sampling scratch (kept for the graph's lifetime).
     _partial: DevBuf,
     _counters: DevBuf,
@@ -142,6 +146,7 @@ impl BatchGraph {
         let params = DevBuf::from_slice(&gpu, &host_params)?;
         let words = v.div_ceil(32);
         let masks = DevBuf::zeros(&gpu, bucket * words * 4)?;
+        let adjust = AdjustTable::new(&gpu, bucket)?;
         let partial = DevBuf::zeros(&gpu, bucket * sp::ARGMAX_BLOCKS * 8)?;
         let counters = i32s(bucket)?;
         // Padding everywhere until the first step says otherwise.
@@ -167,6 +172,9 @@ impl BatchGraph {
             vocab: v as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
         };
+        let adjust_args =
+            sp::AdjustArgs { logits: 0, offsets: adjust.offsets(), entries: adjust.entries(), params: params.ptr, vocab: v as i32, pad: 0 };
+        let shape = StepShape { ids: &ids, layout: &layout, sample, adjust: adjust_args, greedy };
         // First captures with ordinary allocations, to measure them; then the real ones with
         // every temporary of both graphs in one arena, the forward pass chained by programmatic
         // dependent launch where every kernel of the walk allows it (falling back to plain
@@ -177,7 +185,7 @@ impl BatchGraph {
                 if profile {
                     crate::driver::profile_begin_capture()?;
                 }
-                let r = Self::capture_step(model, state, &ids, &layout, &sample, greedy, pdl);
+                let r = shape.capture_pair(model, state, pdl);
                 if profile {
                     *prof = crate::driver::profile_end();
                 }
@@ -208,7 +216,7 @@ impl BatchGraph {
         let whole = match (&graphs, &arena, profile) {
             (Ok(_), Some(arena), false) => {
                 let carve = Arena::Carve { base: arena.ptr, size: arena.bytes, used: 0 };
-                let r = Arena::with(carve, || Self::capture_whole(model, state, &ids, &layout, &sample, greedy, pdl)).0;
+                let r = Arena::with(carve, || shape.capture_whole(model, state, pdl)).0;
                 if let Err(e) = &r {
                     b.set_device_batch(None);
                     return Err(Error::Op { op: "batch decode", msg: format!("capturing the one-graph step: {e}") });
@@ -235,6 +243,7 @@ impl BatchGraph {
             params,
             masks,
             words,
+            adjust,
             _partial: partial,
             _counters: counters,
             host_params,
@@ -246,52 +255,8 @@ impl BatchGraph {
         })
     }
 
-    /// Captures the step's two graphs (inside the caller's arena): the forward pass over the
-    /// rows, then the sampling of every row from the logits the first leaves in the arena (`a`:
-    /// the sampling arguments of row 0, but for the logits). The sampling graph is launched
-    /// after the host's uploads, so its launch is not chained to the forward pass.
-    fn capture_step(
-        model: &Model<CudaBackend>,
-        state: &mut CudaState,
-        ids: &[u32],
-        layout: &BatchLayout,
-        a: &sp::SampleArgs,
-        greedy: bool,
-        pdl: bool,
-    ) -> Result<(Graph, Graph, u64)> {
-        let gpu = &model.backend.ctx.gpu;
-        let mut logits = 0;
-        crate::driver::set_pdl(pdl);
-        let forward = Graph::capture(gpu, || {
-            logits = model.forward(ids, layout, state, LogitRows::LastOfEachSpan)?.ptr();
-            Ok(())
-        });
-        crate::driver::set_pdl(false);
-        let forward = forward?;
-        let sample = Graph::capture(gpu, || sp::rows(&model.backend.ctx, &sp::SampleArgs { logits, ..*a }, layout.spans.len(), greedy))?;
-        Ok((forward, sample, logits))
-    }
-
-    /// The forward pass and the sampling in one capture (see `whole`).
-    fn capture_whole(
-        model: &Model<CudaBackend>,
-        state: &mut CudaState,
-        ids: &[u32],
-        layout: &BatchLayout,
-        a: &sp::SampleArgs,
-        greedy: bool,
-        pdl: bool,
-    ) -> Result<Graph> {
-        crate::driver::set_pdl(pdl);
-        let g = Graph::capture(&model.backend.ctx.gpu, || {
-            let logits = model.forward(ids, layout, state, LogitRows::LastOfEachSpan)?.ptr();
-            sp::rows(&model.backend.ctx, &sp::SampleArgs { logits, ..*a }, layout.spans.len(), greedy)
-        });
-        crate::driver::set_pdl(false);
-        g
-    }
-
-    /// `step` of rows none of which has a token mask: one graph launch (where captured).
+    /// `step` of rows none of which has a token mask or logit adjustments: one graph launch
+    /// (where captured).
     pub fn step_unmasked(&mut self, state: &mut CudaState, rows: &[BatchRow]) -> Result<Vec<u32>> {
         if self.whole.is_none() {
             return self.step(state, rows, &mut || vec![None; rows.len()]);
@@ -308,10 +273,20 @@ impl BatchGraph {
     /// work overlaps the GPU's), and the rows' masks (one entry per row, see `TokenMasks`) and
     /// changed parameters are copied before the sampling graph's.
     pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow], masks: &mut dyn FnMut() -> TokenMasks) -> Result<Vec<u32>> {
+        self.step_late(state, rows, &mut || masks().into())
+    }
+
+    /// `step` with the rows' logit adjustments: `late` is called where `step` calls `masks`, and
+    /// each row's list (see `LateInputs`; at most `logit_adjust::ROW_CAP` entries) is copied with
+    /// the masks and applied to the row's logits before its mask and sampler.
+    pub fn step_late(&mut self, state: &mut CudaState, rows: &[BatchRow], late: &mut dyn FnMut() -> LateInputs) -> Result<Vec<u32>> {
         let n = rows.len();
         self.begin(state, rows)?;
         self.forward.launch(&self.ctx.gpu)?;
-        let masks = masks();
+        let LateInputs { masks, adjust } = late();
+        if !adjust.is_empty() && adjust.len() != n {
+            return Err(Error::Op { op: "batch decode", msg: format!("{} logit adjustment lists for {n} rows", adjust.len()) });
+        }
         if masks.len() != n {
             return Err(Error::Op { op: "batch decode", msg: format!("{} token masks for {n} rows", masks.len()) });
         }
@@ -334,6 +309,7 @@ impl BatchGraph {
             }
             self.masks.upload(lo * w * 4, bytemuck::cast_slice(&self.host_masks))?;
         }
+        self.adjust.upload(&adjust)?;
         self.sample.launch(&self.ctx.gpu)?;
         self.finish(rows)
     }
@@ -408,6 +384,61 @@ impl BatchGraph {
         let mut v = vec![0f32; rows.min(self.bucket) * self.vocab];
         crate::driver::download_raw(&self.ctx.gpu, self.logits, bytemuck::cast_slice_mut(&mut v))?;
         Ok(v)
+    }
+}
+
+/// What a capture of the step records: the rows' (placeholder) token ids and single-token layout,
+/// the sampling and logit-adjustment arguments of row 0 (but for the logits), and the sampler.
+struct StepShape<'a> {
+    ids: &'a [u32],
+    layout: &'a BatchLayout,
+    sample: sp::SampleArgs,
+    adjust: sp::AdjustArgs,
+    greedy: bool,
+}
+
+impl StepShape<'_> {
+    /// The forward pass over the rows; returns the logits it leaves in the arena.
+    fn forward(&self, model: &Model<CudaBackend>, state: &mut CudaState) -> Result<u64> {
+        Ok(model.forward(self.ids, self.layout, state, LogitRows::LastOfEachSpan)?.ptr())
+    }
+
+    /// The sampling of every row from `logits`, after the rows' logit adjustments if `adjust`.
+    fn sample(&self, model: &Model<CudaBackend>, logits: u64, adjust: bool) -> Result<()> {
+        let (ctx, rows) = (&model.backend.ctx, self.layout.spans.len());
+        if adjust {
+            sp::adjust_rows(ctx, &sp::AdjustArgs { logits, ..self.adjust }, rows)?;
+        }
+        sp::rows(ctx, &sp::SampleArgs { logits, ..self.sample }, rows, self.greedy)
+    }
+
+    /// The step's two graphs (inside the caller's arena): the forward pass, then the sampling
+    /// from the logits the first leaves in the arena; and those logits. The sampling graph is
+    /// launched after the host's uploads, so its launch is not chained to the forward pass.
+    fn capture_pair(&self, model: &Model<CudaBackend>, state: &mut CudaState, pdl: bool) -> Result<(Graph, Graph, u64)> {
+        let gpu = &model.backend.ctx.gpu;
+        let mut logits = 0;
+        crate::driver::set_pdl(pdl);
+        let forward = Graph::capture(gpu, || {
+            logits = self.forward(model, state)?;
+            Ok(())
+        });
+        crate::driver::set_pdl(false);
+        let forward = forward?;
+        let sample = Graph::capture(gpu, || self.sample(model, logits, true))?;
+        Ok((forward, sample, logits))
+    }
+
+    /// The forward pass and the sampling in one capture, without the logit adjustments (see
+    /// `BatchGraph::whole`).
+    fn capture_whole(&self, model: &Model<CudaBackend>, state: &mut CudaState, pdl: bool) -> Result<Graph> {
+        crate::driver::set_pdl(pdl);
+        let g = Graph::capture(&model.backend.ctx.gpu, || {
+            let logits = self.forward(model, state)?;
+            self.sample(model, logits, false)
+        });
+        crate::driver::set_pdl(false);
+        g
     }
 }
 

@@ -141,7 +141,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[sampling::sampling_abi],
         headers: &[],
         source: include_str!("../kernels/sampling.cu"),
-        kernels: &["sample_argmax", "sample_general", "sample_argmax_rows", "sample_general_rows"],
+        kernels: &["sample_argmax", "sample_general", "sample_argmax_rows", "sample_general_rows", "logit_adjust_rows"],
     },
 ];
 

@@ -17,14 +17,17 @@
 //! sampler (lowest id among equal maxima); temperature/top-k/top-p/min-p draw from a counter-based
 //! generator keyed by (seed, token index), so seeded output is reproducible on this path but is
 //! not the host sampler's random stream. A row under a grammar has a token mask, which the
-//! graph asks for once its forward pass runs (`masks`).
+//! graph asks for once its forward pass runs (`masks`). Penalties and logit bias go the same
+//! way: a step with a logit adjustment list (at most `logit_adjust::ROW_CAP` entries,
+//! `logit_adjust_cap`) runs through `step_batch`, whose sampling graph applies the list to the
+//! row's logits before its sampler.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use orchid_model::Model;
 use orchid_model::error::{Error, Result};
-use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, TokenMasks};
+use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, LateInputs};
 
 use crate::CudaBackend;
 use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
@@ -109,11 +112,14 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     }
 
     fn prepare(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, sampling: &DeviceSampling) -> Result<()> {
-        self.prepare_batch(model, state, &[DecodeStep { slot, token: 0, pos: 0, index: 0, sampling: *sampling }])
+        self.prepare_batch(model, state, &[DecodeStep { slot, token: 0, pos: 0, index: 0, sampling: *sampling, adjust: 0 }])
     }
 
     /// A lone sequence without a grammar: the bucket-1 graph's one-launch step.
     fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<u32> {
+        if step.adjust > 0 {
+            return Err(Error::Op { op: "decode", msg: "a single-sequence step takes no logit adjustments (step_batch does)".into() });
+        }
         let steps = std::slice::from_ref(step);
         let row = BatchRow { slot: step.slot, token: step.token, pos: step.pos, index: step.index, params: sample_params(&step.sampling) };
         let graph = self
@@ -126,6 +132,11 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     /// The batch graphs read a token mask per row.
     fn masks(&self) -> bool {
         true
+    }
+
+    /// The batch graphs' adjustment table holds `ROW_CAP` entries per row.
+    fn logit_adjust_cap(&self) -> usize {
+        crate::logit_adjust::ROW_CAP
     }
 
     fn prepare_batch(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<()> {
@@ -142,7 +153,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         _model: &Model<CudaBackend>,
         state: &mut CudaState,
         steps: &[DecodeStep],
-        masks: &mut dyn FnMut() -> TokenMasks,
+        late: &mut dyn FnMut() -> LateInputs,
     ) -> Result<Vec<u32>> {
         let rows: Vec<BatchRow> = steps
             .iter()
@@ -153,7 +164,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
             .batches
             .get_mut(&key)
             .ok_or_else(|| Error::Op { op: "decode", msg: "no decode graph for this batch (prepare_batch first)".into() })?;
-        graph.step(state, &rows, masks)
+        graph.step_late(state, &rows, late)
     }
 }
 

@@ -27,6 +27,7 @@ pub mod decode_rows;
 pub mod driver;
 pub mod fast_decode;
 pub mod layers;
+pub mod logit_adjust;
 pub mod ops;
 pub mod options;
 pub mod state;

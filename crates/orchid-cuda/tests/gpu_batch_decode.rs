@@ -6,14 +6,19 @@
 //! same greedy tokens, also when sequences leave and the batch moves to a smaller bucket; (3) with
 //! mixed sampling parameters per row: runs are reproducible and the greedy rows are unchanged;
 //! (4) with token masks on some rows (a grammar's): greedy rows pick the argmax of their masked
-//! logits, sampled rows never a masked token, and the unmasked rows are unchanged. Skipped
-//! without a GPU.
+//! logits, sampled rows never a masked token, and the unmasked rows are unchanged; (5) with
+//! penalties and logit biases on some rows (the engine's host sampler packs each row's list,
+//! `Sampler::device_adjust`): greedy rows pick the argmax of the host-adjusted logits
+//! (`Sampler::adjusted_logits`), sampled rows are reproducible and obey their biases, and the rows
+//! without adjustments are unchanged. Skipped without a GPU.
 
 mod common;
 
 use common::*;
 use orchid_cpu::CpuBackend;
 use orchid_cuda::{BatchGraph, BatchRow, CudaBackend, SampleParams};
+use orchid_engine::sampling::{Sampler, SamplingParams};
+use orchid_model::LateInputs;
 use orchid_model::Model;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
@@ -306,6 +311,197 @@ fn batch_graph_masks() {
     println!(
         "PARITY {} batch graph with token masks, sampled, {steps} steps: masked tokens drawn {escaped:?}, unmasked rows unchanged {unmasked_same}, tokens outside the masks without them {free_outside:?}",
         if ok { "PASS" } else { "FAIL" }
+    );
+    assert!(ok);
+}
+
+/// The host samplers of (5): row `i`'s penalties and bias (`bias(i)`: token, bias), its prompt
+/// seen and its first token observed, as the engine sets them up.
+fn samplers(params: &[SamplingParams], bias: &dyn Fn(usize) -> Vec<(u32, f32)>, prompts: &[Vec<u32>], first: &[u32]) -> Vec<Sampler> {
+    (0..params.len())
+        .map(|i| {
+            let mut s = Sampler::new(params[i].clone(), &prompts[i]).with_bias(bias(i).into_iter().collect());
+            s.observe(first[i]);
+            s
+        })
+        .collect()
+}
+
+/// Batch-graph decode of every row for `steps` steps with each row's logit adjustments packed
+/// by its host sampler (which observes every token, as the engine's would).
+fn graph_decode_adjusted(
+    m: &Model<CudaBackend>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    params: &[SampleParams],
+    make: &dyn Fn(&[u32]) -> Vec<Sampler>,
+    valid: usize,
+) -> Vec<Vec<u32>> {
+    let n = prompts.len();
+    let mut st = m.new_state(StateOptions::new(n + 1, 320)).unwrap();
+    let (slots, first) = prefill(m, &mut st, prompts);
+    let mut hs = make(&first);
+    let mut out: Vec<Vec<u32>> = first.iter().map(|&t| vec![t]).collect();
+    let greedy = params.iter().all(|p| p.is_greedy());
+    let mut g = BatchGraph::new(m, &mut st, orchid_cuda::batch_graph::bucket_for(n), greedy).unwrap();
+    for k in 0..steps {
+        let rows: Vec<BatchRow> = (0..n)
+            .map(|i| BatchRow {
+                slot: slots[i],
+                token: *out[i].last().unwrap(),
+                pos: prompts[i].len() + k,
+                index: k + 1,
+                params: params[i],
+            })
+            .collect();
+        let late = LateInputs { masks: vec![None; n], adjust: hs.iter().map(|s| s.device_adjust(valid)).collect() };
+        let got = g.step_late(&mut st, &rows, &mut || late.clone()).unwrap();
+        for (i, t) in got.into_iter().enumerate() {
+            assert!((t as usize) < valid, "row {i} step {k}: token {t} past the valid ones");
+            hs[i].observe(t);
+            out[i].push(t);
+        }
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_graph_penalties() {
+    let g = gpu();
+    let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2);
+    let host = random_weights(&cfg, Fmt::Mlx, 5);
+    let gpu = Model::new(cfg.clone(), g.clone(), &host).unwrap();
+    drop(host);
+    let v = cfg.vocab_size;
+    // The tokenizer's vocabulary may be smaller than the model's: ids ≥ valid are never chosen,
+    // and biases on them do nothing.
+    let valid = v - 40;
+    let mut rng = Rng::new(79);
+    let prompts: Vec<Vec<u32>> = LENS.iter().map(|&n| (0..n.min(60)).map(|_| rng.below(valid) as u32).collect()).collect();
+    let n = prompts.len();
+    let opts = StateOptions::new(n + 1, 320);
+    // Row 0: repetition penalty over prompt and output; 1: nothing; 2: presence and frequency;
+    // 3: logit biases (one past `valid`); 4: everything at once.
+    let hp = [
+        SamplingParams { repetition_penalty: 1.5, ..Default::default() },
+        SamplingParams::default(),
+        SamplingParams { presence_penalty: 0.7, frequency_penalty: 0.9, ..Default::default() },
+        SamplingParams::default(),
+        SamplingParams { repetition_penalty: 0.7, presence_penalty: -0.4, frequency_penalty: 1.3, ..Default::default() },
+    ];
+    let bias_tokens: Vec<u32> = (0..6).map(|_| rng.below(valid) as u32).collect();
+    let bias = |i: usize| -> Vec<(u32, f32)> {
+        match i {
+            3 => vec![(bias_tokens[0], 8.0), (bias_tokens[1], -50.0), (bias_tokens[2], 0.0), (valid as u32 + 3, 1e4)],
+            4 => vec![(bias_tokens[3], 4.0), (bias_tokens[4], -2.5)],
+            _ => Vec::new(),
+        }
+    };
+
+    // (a) Greedy, 12 steps, against the eager batched forward's logits of the same step adjusted
+    // by the host sampler.
+    let mut eager = gpu.new_state(opts).unwrap();
+    let (eslots, first) = prefill(&gpu, &mut eager, &prompts);
+    let mut st = gpu.new_state(opts).unwrap();
+    let (slots, _) = prefill(&gpu, &mut st, &prompts);
+    let mut graph = BatchGraph::new(&gpu, &mut st, orchid_cuda::batch_graph::bucket_for(n), true).unwrap();
+    let mut hs = samplers(&hp, &bias, &prompts, &first);
+    let mut toks = first;
+    let (mut exact, mut ties, mut bad, mut moved, mut nan) = (0, 0, Vec::new(), 0, 0);
+    // The largest logit magnitude seen, to size a bias that dominates in (c).
+    let mut scale_max = 0f32;
+    for k in 0..12 {
+        let pos: Vec<usize> = prompts.iter().map(|p| p.len() + k).collect();
+        let l = batch_logits(&gpu, &mut eager, &eslots, &pos, &toks);
+        let lists: Vec<_> = hs.iter().map(|s| s.device_adjust(valid)).collect();
+        assert!(lists[1].is_empty() && lists.iter().enumerate().all(|(i, l)| i == 1 || !l.is_empty()));
+        let rows: Vec<BatchRow> = (0..n)
+            .map(|i| BatchRow { slot: slots[i], token: toks[i], pos: pos[i], index: k + 1, params: SampleParams::greedy(valid) })
+            .collect();
+        let mut asked = 0;
+        let got = graph
+            .step_late(&mut st, &rows, &mut || {
+                asked += 1;
+                LateInputs { masks: vec![None; n], adjust: lists.clone() }
+            })
+            .unwrap();
+        assert_eq!(asked, 1, "the late inputs are asked for once a step");
+        for i in 0..n {
+            let row = &l[i * v..(i + 1) * v];
+            let adjusted = hs[i].adjusted_logits(row, valid);
+            nan += adjusted.iter().filter(|x| x.is_nan()).count();
+            let (want, tok) = (argmax(&adjusted), got[i]);
+            moved += (want != argmax(&row[..valid])) as usize;
+            let scale = adjusted.iter().fold(0f32, |a, x| a.max(x.abs()));
+            scale_max = scale_max.max(row.iter().fold(0f32, |a, x| a.max(x.abs())));
+            if (tok as usize) >= valid {
+                bad.push((k, i, want, tok));
+            } else if want == tok {
+                exact += 1;
+            } else if adjusted[want as usize] - adjusted[tok as usize] <= 1e-3 * scale {
+                ties += 1;
+            } else {
+                bad.push((k, i, want, tok));
+            }
+        }
+        for (i, &t) in got.iter().enumerate() {
+            hs[i].observe(t);
+        }
+        toks = got;
+    }
+    let ok = bad.is_empty() && nan == 0 && moved > 0;
+    println!(
+        "PARITY {} batch graph with penalties and logit bias, greedy: argmax of the host-adjusted logits on {exact} rows, {ties} near-ties, wrong {bad:?}, {moved} choices moved by the adjustments, NaN {nan}",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    assert!(ok);
+
+    // (b) Greedy graph runs with and without the adjustments: the row without any is unchanged.
+    let greedy = vec![SampleParams::greedy(valid); n];
+    let none = vec![SamplingParams::default(); n];
+    let with = graph_decode_adjusted(&gpu, &prompts, 12, &greedy, &|f| samplers(&hp, &bias, &prompts, f), valid);
+    let without = graph_decode_adjusted(&gpu, &prompts, 12, &greedy, &|f| samplers(&none, &|_| Vec::new(), &prompts, f), valid);
+    let ok = with[1] == without[1] && (0..n).any(|i| with[i] != without[i]);
+    println!(
+        "PARITY {} batch graph with penalties, greedy: unadjusted row unchanged {}, adjusted rows differ {}",
+        if ok { "PASS" } else { "FAIL" },
+        with[1] == without[1],
+        (0..n).filter(|&i| with[i] != without[i]).count()
+    );
+    assert!(ok);
+
+    // (c) Seeded sampling, 100 steps: rows 0, 2 and 4 sample with their penalties, row 3 samples
+    // with a bias of 2 · max |logit| + 30 on three tokens (it draws nearly only those; a
+    // repetition or count penalty it has none of), row 1 samples with none;
+    // runs are reproducible and row 1 decodes as in a run where no row has adjustments.
+    let steps = 100;
+    let mut params = vec![SampleParams::greedy(valid); n];
+    for (i, p) in params.iter_mut().enumerate() {
+        *p = SampleParams { temperature: 0.9, top_p: 0.95, top_k: if i == 2 { 40 } else { 0 }, seed: 20 + i as u64, ..*p };
+    }
+    let favoured: Vec<u32> = bias_tokens[..3].to_vec();
+    let big = 2.0 * scale_max + 30.0;
+    let sbias = |i: usize| if i == 3 { favoured.iter().map(|&t| (t, big)).collect() } else { bias(i) };
+    let a = graph_decode_adjusted(&gpu, &prompts, steps, &params, &|f| samplers(&hp, &sbias, &prompts, f), valid);
+    let b = graph_decode_adjusted(&gpu, &prompts, steps, &params, &|f| samplers(&hp, &sbias, &prompts, f), valid);
+    let free = graph_decode_adjusted(&gpu, &prompts, steps, &params, &|f| samplers(&none, &|_| Vec::new(), &prompts, f), valid);
+    let in_favoured = a[3][1..].iter().filter(|t| favoured.contains(t)).count();
+    // The frequency penalty spreads row 2's draws over more distinct tokens than without it.
+    let distinct = |x: &[u32]| {
+        let mut d = x.to_vec();
+        d.sort_unstable();
+        d.dedup();
+        d.len()
+    };
+    let ok = a == b && a[1] == free[1] && in_favoured * 100 >= 95 * steps && distinct(&a[2]) >= distinct(&free[2]);
+    println!(
+        "PARITY {} batch graph with penalties and logit bias, sampled, {steps} steps: reproducible {}, unadjusted row unchanged {}, biased draws {in_favoured}/{steps}, distinct tokens with/without frequency penalty {}/{}",
+        if ok { "PASS" } else { "FAIL" },
+        a == b,
+        a[1] == free[1],
+        distinct(&a[2]),
+        distinct(&free[2])
     );
     assert!(ok);
 }

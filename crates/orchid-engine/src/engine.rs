@@ -22,12 +22,12 @@
 //!
 //! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`:
 //! captured decode graphs with sampling on the GPU). When every decoding sequence can be served
-//! by the device sampler (no repetition/presence/frequency penalty, no logprobs, finite
-//! parameters, no forced or banned token this step), the decoding sequences run through it: one
-//! sequence through `step`, several at once through `step_batch` (one graph replay for all of
-//! them); prompts being prefilled then run in their own forward call in the same step. Anything
-//! else runs the generic step for everyone, and the next step that qualifies goes back to the
-//! fast path. All paths work on the same state, so switching at a step boundary is free (the
+//! by the device sampler (no logprobs, finite parameters, no forced or banned token this step,
+//! penalties and logit bias only on a decoder that takes them and within its cap), the decoding
+//! sequences run through it: one sequence through `step`, several at once through `step_batch`
+//! (one graph replay for all of them); prompts being prefilled then run in their own forward call
+//! in the same step. Anything else runs the generic step for everyone, and the next step that
+//! qualifies goes back to the fast path. All paths work on the same state, so switching at a step boundary is free (the
 //! fast decoder re-uploads its inputs when the generic path moved a sequence on). Stop tokens,
 //! stop strings, max_tokens, the context limit and streaming stay here, the same for all paths.
 //! Greedy output is the same on every path up to floating-point differences between the kernel
@@ -48,6 +48,14 @@
 //! with the error after the step (the step has advanced its state already), as on the generic
 //! path. Constrained and free sequences share the batch on either path, and the sampled token
 //! advances the grammar in the one place every path shares (`emit`).
+//!
+//! Penalties and logit bias. The host sampler keeps each sequence's seen tokens and output counts
+//! (`Sampler`). On the fast path, when the decoder takes logit adjustments
+//! ([`FastDecode::logit_adjust_cap`]), a penalised or biased sequence decodes through
+//! `step_batch` (alone as a batch of one too) and its bias and penalties reach the device as a
+//! per-token list (`Sampler::device_adjust`, asked for with the masks once the forward pass runs),
+//! which the device sampler applies before its filters exactly as the host sampler would. A
+//! sequence whose list may exceed the decoder's cap decodes on the generic path that step.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -57,7 +65,9 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use orchid_model::backend::GDN_CHUNK;
-use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode, LogitRows, Model, SeqSpan, StateOptions, StatePool};
+use orchid_model::{
+    Backend, BatchLayout, DecodeStep, DeviceSampling, FastDecode, LateInputs, LogitRows, Model, SeqSpan, StateOptions, StatePool,
+};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::constraint::Constraint;
@@ -355,11 +365,11 @@ where
             };
             let fast = match fast {
                 Some(f) if opts2.fast_decode => {
-                    tracing::info!("single-sequence decoding: {}", f.name());
+                    tracing::info!("fast decoding: {}", f.name());
                     Some(f)
                 }
                 Some(f) => {
-                    tracing::info!("single-sequence decoding: {} turned off, generic path", f.name());
+                    tracing::info!("fast decoding: {} turned off, generic path", f.name());
                     None
                 }
                 None => None,
@@ -930,7 +940,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Decodes every decoding sequence through the fast decoder when all of them can (one
-    /// sequence: `FastDecode::step`; several, or any under a grammar: `step_batch`); false when
+    /// sequence: `FastDecode::step`; several, or any under a grammar or with logit adjustments:
+    /// `step_batch`); false when
     /// the generic step has to decode them (see the module docs).
     fn fast_step(&mut self) -> bool {
         let Some(fast) = self.fast.as_mut() else { return false };
@@ -939,11 +950,6 @@ impl<B: Backend> Engine<B> {
             return false;
         }
         let constrained = rows.iter().any(|&i| self.running[i].constraint.as_ref().is_some_and(|c| c.active()));
-        // Several sequences, or one under a grammar, need the batched step (a lone sequence's
-        // `step` takes no mask).
-        if ((rows.len() > 1 || constrained) && !self.fast_batches) || (constrained && !fast.masks()) {
-            return false;
-        }
         let vocab = self.model.config.vocab_size;
         let valid = self.tokenizer.vocab_size().min(vocab);
         let steps: Vec<DecodeStep> = rows
@@ -964,17 +970,31 @@ impl<B: Backend> Engine<B> {
                         seed: s.device_seed,
                         valid,
                     },
+                    adjust: s.sampler.device_adjust_bound(),
                 }
             })
             .collect();
+        // Several sequences, or one under a grammar or with penalties or a logit bias, need the
+        // batched step (a lone sequence's `step` takes no mask and no adjustments).
+        let adjusted = steps.iter().any(|s| s.adjust > 0);
+        let cap = fast.logit_adjust_cap();
+        if ((rows.len() > 1 || constrained || adjusted) && !self.fast_batches)
+            || (constrained && !fast.masks())
+            || steps.iter().any(|s| s.adjust > cap)
+        {
+            return false;
+        }
         // The grammar masks of this step, asked for by the decoder once the step's forward pass
         // runs on the device: a mask depends on the token this step feeds in, known only since
         // the previous step's sampling came back, and the device sampler needs it at the end of
         // the step. A mask that fails leaves its row unmasked (the forward pass has advanced every
         // row already); that request ends with the error after the step. Failures: (row, error).
+        // The rows' logit adjustments come with them (the counts are known, but building the
+        // lists overlaps the forward pass too).
         let mut failed: Vec<(usize, String)> = Vec::new();
         let (running, max_context) = (&mut self.running, self.max_context);
-        let mut masks = || {
+        let mut late = || {
+            let adjust = if adjusted { rows.iter().map(|&i| running[i].sampler.device_adjust(valid)).collect() } else { Vec::new() };
             let mut masks = Vec::with_capacity(rows.len());
             for (row, &i) in rows.iter().enumerate() {
                 let s = &mut running[i];
@@ -988,9 +1008,9 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             }
-            masks
+            LateInputs { masks, adjust }
         };
-        let ran = if let ([step], false) = (steps.as_slice(), constrained) {
+        let ran = if let ([step], false, false) = (steps.as_slice(), constrained, adjusted) {
             if let Err(e) = fast.prepare(&self.model, &mut self.state, step.slot, &step.sampling) {
                 tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
                 self.fast = None;
@@ -1003,7 +1023,7 @@ impl<B: Backend> Engine<B> {
                 self.fast_batches = false;
                 return false;
             }
-            fast.step_batch(&self.model, &mut self.state, &steps, &mut masks)
+            fast.step_batch(&self.model, &mut self.state, &steps, &mut late)
         };
         match ran {
             Ok(tokens) => {
@@ -1071,16 +1091,19 @@ impl<B: Backend> Engine<B> {
 }
 
 /// Whether the fast decoder's device sampler can serve `req` as the host sampler would: no
-/// penalties, no logit bias, no logprobs, finite parameters (temperature, top-k, top-p, min-p and
-/// the seed are what it implements). Forced and banned tokens (thinking budget, `min_tokens`)
-/// are decided per step: those steps run the generic path.
+/// logprobs, finite parameters (temperature, top-k, top-p, min-p and the seed are what it
+/// implements; finite penalties and logit biases reach it as per-token lists, see
+/// `Sampler::device_adjust`). Forced and banned tokens (thinking budget, `min_tokens`), and
+/// whether the decoder takes the step's adjustment list, are decided per step: those steps run
+/// the generic path.
 pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
     let p: &SamplingParams = &req.sampling;
     req.logprobs.is_none()
-        && req.logit_bias.is_empty()
-        && p.repetition_penalty == 1.0
-        && p.presence_penalty == 0.0
-        && p.frequency_penalty == 0.0
+        && req.logit_bias.values().all(|b| b.is_finite())
+        && p.repetition_penalty.is_finite()
+        && p.repetition_penalty > 0.0
+        && p.presence_penalty.is_finite()
+        && p.frequency_penalty.is_finite()
         && (p.is_greedy() || (p.temperature.is_finite() && p.top_p.is_finite() && p.min_p.is_finite()))
 }
 

@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+use orchid_model::LogitAdjust;
+
 /// Sampling parameters of one request (OpenAI / vLLM semantics).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -131,8 +133,9 @@ impl Sampler {
         *self.counts.entry(token).or_insert(0) += 1;
     }
 
-    /// Picks the next token from `logits` (ids ≥ `valid` are never chosen).
-    pub fn sample(&mut self, logits: &[f32], valid: usize) -> u32 {
+    /// The logits `sample` draws from: the first `valid` of `logits` with the bias, the bans and
+    /// the penalties applied, in that order.
+    pub fn adjusted_logits(&self, logits: &[f32], valid: usize) -> Vec<f32> {
         let p = &self.params;
         let valid = valid.min(logits.len());
         let mut l: Vec<f32> = logits[..valid].to_vec();
@@ -160,6 +163,68 @@ impl Sampler {
                 }
             }
         }
+        l
+    }
+
+    /// Whether the penalties and the bias can change a logit at all (bans aside).
+    fn penalised(&self) -> (bool, bool) {
+        let p = &self.params;
+        (p.repetition_penalty != 1.0, p.presence_penalty != 0.0 || p.frequency_penalty != 0.0)
+    }
+
+    /// At least the length of [`device_adjust`](Self::device_adjust)'s list (0: it is empty),
+    /// without building it.
+    pub fn device_adjust_bound(&self) -> usize {
+        let (rep, counted) = self.penalised();
+        // Every counted token is a seen one when the repetition penalty is on.
+        let tokens = if rep {
+            self.seen.len()
+        } else if counted {
+            self.counts.len()
+        } else {
+            0
+        };
+        tokens + self.bias.len()
+    }
+
+    /// This step's bias and penalties as a device sampler's per-token list (see
+    /// [`LogitAdjust`]): one entry per token below `valid` that they touch, in increasing id
+    /// order. Applied to a row of logits ([`orchid_model::apply_logit_adjust`]) it gives what
+    /// [`adjusted_logits`](Self::adjusted_logits) gives without bans, bit for bit.
+    pub fn device_adjust(&self, valid: usize) -> Vec<LogitAdjust> {
+        let p = &self.params;
+        let (rep, counted) = self.penalised();
+        let mut ids: Vec<u32> = self.bias.keys().copied().collect();
+        if rep {
+            ids.extend(self.seen.keys());
+        }
+        if counted {
+            ids.extend(self.counts.keys());
+        }
+        ids.retain(|&t| (t as usize) < valid);
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter()
+            .map(|t| {
+                let mut a = LogitAdjust::neutral(t);
+                if let Some(&b) = self.bias.get(&t) {
+                    a.bias = b;
+                }
+                if rep && self.seen.contains_key(&t) {
+                    a.repetition = p.repetition_penalty;
+                }
+                if let (true, Some(&c)) = (counted, self.counts.get(&t)) {
+                    a.subtract = p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+                a
+            })
+            .collect()
+    }
+
+    /// Picks the next token from `logits` (ids ≥ `valid` are never chosen).
+    pub fn sample(&mut self, logits: &[f32], valid: usize) -> u32 {
+        let l = self.adjusted_logits(logits, valid);
+        let p = &self.params;
         if p.is_greedy() {
             return argmax(&l) as u32;
         }
@@ -281,5 +346,53 @@ mod tests {
         let total: f32 = [1.0f32, 1.05, 0.0].iter().map(|x| x.exp()).sum();
         assert!((lp.logprob - (1.0f32.exp() / total).ln()).abs() < 1e-5);
         assert_eq!(lp.top[0].0, 1);
+    }
+
+    /// The host packing of the penalties and bias (counts -> a row's list): applied to random
+    /// logits it gives the host sampler's adjusted logits bit for bit, over random prompts,
+    /// outputs, biases and penalties (signed zeros, positive and negative logits, ids past the
+    /// vocabulary); the bound holds; a request without any gets an empty list.
+    #[test]
+    fn device_adjust_packs_the_host_rules() {
+        let mut rng = Rng::new(5);
+        let (v, valid) = (300usize, 280usize);
+        let plain = Sampler::new(SamplingParams { temperature: 1.0, ..Default::default() }, &[1, 2, 3]);
+        assert!(plain.device_adjust(valid).is_empty() && plain.device_adjust_bound() == 0);
+        for case in 0..400 {
+            let pick = |rng: &mut Rng, n: usize| (rng.next_u64() % n as u64) as usize;
+            let f = |rng: &mut Rng, lo: f32, hi: f32| lo + (hi - lo) * rng.next_f64() as f32;
+            let on = |rng: &mut Rng| !rng.next_u64().is_multiple_of(3);
+            let params = SamplingParams {
+                repetition_penalty: if on(&mut rng) { f(&mut rng, 0.5, 2.0) } else { 1.0 },
+                presence_penalty: if on(&mut rng) { f(&mut rng, -2.0, 2.0) } else { 0.0 },
+                frequency_penalty: if on(&mut rng) { f(&mut rng, -2.0, 2.0) } else { 0.0 },
+                ..Default::default()
+            };
+            let prompt: Vec<u32> = (0..pick(&mut rng, 60)).map(|_| pick(&mut rng, v + 20) as u32).collect();
+            let bias: HashMap<u32, f32> = (0..pick(&mut rng, 8))
+                .map(|_| (pick(&mut rng, v + 20) as u32, if rng.next_u64().is_multiple_of(4) { 0.0 } else { f(&mut rng, -100.0, 100.0) }))
+                .collect();
+            let mut s = Sampler::new(params, &prompt).with_bias(bias);
+            for _ in 0..pick(&mut rng, 40) {
+                s.observe(pick(&mut rng, v + 20) as u32);
+            }
+            let logits: Vec<f32> = (0..v)
+                .map(|i| match i % 7 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => f(&mut rng, -20.0, 20.0),
+                })
+                .collect();
+            let list = s.device_adjust(valid);
+            assert!(list.len() <= s.device_adjust_bound(), "case {case}");
+            assert!(list.windows(2).all(|w| w[0].token < w[1].token) && list.iter().all(|a| (a.token as usize) < valid));
+            let mut dev = logits.clone();
+            orchid_model::apply_logit_adjust(&mut dev, valid, &list);
+            let host = s.adjusted_logits(&logits, valid);
+            let bits = |x: &[f32]| x.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&dev[..valid]), bits(&host), "case {case}");
+            // Greedy picks the same token from either.
+            assert_eq!(argmax(&dev[..valid]), argmax(&host), "case {case}");
+        }
     }
 }

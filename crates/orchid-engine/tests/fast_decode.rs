@@ -5,8 +5,11 @@
 //! generic path, fall back when `prepare` fails or the option is off, and produce the same
 //! greedy text either way. A decoder that takes token masks gets the steps of sequences under a
 //! grammar through `step_batch`, and their masks when it asks for them, after it has issued the
-//! step's forward pass. The real fast decoder (the CUDA graph) is tested on the GPU by
-//! crates/orchid-cuda/tests/gpu_engine.rs.
+//! step's forward pass. A decoder that takes logit adjustments gets penalised and biased
+//! sequences through `step_batch` too, with their lists (applied by the mock with the reference,
+//! `apply_logit_adjust`), and the greedy tokens are the generic path's. The real fast decoder
+//! (the CUDA graph) is tested on the GPU by crates/orchid-cuda/tests/gpu_engine.rs and
+//! gpu_batch_decode.rs.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -18,7 +21,9 @@ use orchid_engine::constraint::{GrammarSpec, Grammars};
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
 use orchid_engine::sampling::{Sampler, SamplingParams, argmax};
-use orchid_model::{Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LogitRows, Model, Result, SeqSpan, TokenMasks};
+use orchid_model::{
+    Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LateInputs, LogitRows, Model, Result, SeqSpan, apply_logit_adjust,
+};
 
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/orchid-tiny")
@@ -31,8 +36,10 @@ struct Log {
     steps: Vec<DecodeStep>,
     /// Sizes of the batched steps ...
     batches: Vec<usize>,
-    /// ... and how many of their rows had a mask.
+    /// ... and how many of their rows had a mask ...
     masked: Vec<usize>,
+    /// ... or a non-empty logit adjustment list.
+    adjusted: Vec<usize>,
     /// What each batched step did, in order.
     calls: Vec<Call>,
 }
@@ -54,6 +61,8 @@ struct Mock {
     batch: bool,
     /// Whether it takes token masks (`FastDecode::masks`).
     masks: bool,
+    /// `FastDecode::logit_adjust_cap`.
+    adjust_cap: usize,
 }
 
 /// A stand-in for a device sampler: greedy, or a generator keyed by (seed, index); a token the
@@ -100,6 +109,7 @@ impl FastDecode<CpuBackend> for Mock {
     }
 
     fn step(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, step: &DecodeStep) -> Result<u32> {
+        assert_eq!(step.adjust, 0, "a step with logit adjustments outside step_batch");
         self.log.lock().unwrap().steps.push(*step);
         let l = m.forward(&[step.token], &BatchLayout::single(step.slot, step.pos, 1), s, LogitRows::LastOfEachSpan)?;
         let l = m.backend.to_host(&l)?;
@@ -118,29 +128,43 @@ impl FastDecode<CpuBackend> for Mock {
         self.masks
     }
 
-    /// As a device decoder would: the forward pass first, then the masks, then the sampling.
+    fn logit_adjust_cap(&self) -> usize {
+        self.adjust_cap
+    }
+
+    /// As a device decoder would: the forward pass first, then the masks and adjustments, then the
+    /// sampling (of the adjusted, then masked, logits).
     fn step_batch(
         &mut self,
         m: &Model<CpuBackend>,
         s: &mut <CpuBackend as Backend>::State,
         steps: &[DecodeStep],
-        masks: &mut dyn FnMut() -> TokenMasks,
+        late: &mut dyn FnMut() -> LateInputs,
     ) -> Result<Vec<u32>> {
         assert!(self.batch, "step_batch without a successful prepare_batch");
         let ids: Vec<u32> = steps.iter().map(|s| s.token).collect();
         let batch = BatchLayout { spans: steps.iter().map(|s| SeqSpan { slot: s.slot, start: s.pos, len: 1 }).collect() };
-        let l = m.backend.to_host(&m.forward(&ids, &batch, s, LogitRows::LastOfEachSpan)?)?;
+        let mut l = m.backend.to_host(&m.forward(&ids, &batch, s, LogitRows::LastOfEachSpan)?)?;
         self.log.lock().unwrap().calls.push(Call::Forward);
-        let masks = masks();
+        let LateInputs { masks, adjust } = late();
         assert_eq!(masks.len(), steps.len(), "one mask entry per step");
-        assert!(steps.len() > 1 || masks[0].is_some(), "a batch of one without a mask");
+        assert!(adjust.is_empty() || adjust.len() == steps.len(), "one adjustment list per step, or none");
+        let lists = |i: usize| adjust.get(i).map_or(&[][..], Vec::as_slice);
+        assert!(steps.len() > 1 || masks[0].is_some() || steps[0].adjust > 0, "a batch of one without a mask or adjustments");
         assert!(self.masks || masks.iter().all(Option::is_none), "a mask for a decoder that takes none");
+        for (i, st) in steps.iter().enumerate() {
+            assert!(lists(i).len() <= st.adjust.min(self.adjust_cap), "a list longer than its bound or the cap");
+        }
         let mut log = self.log.lock().unwrap();
         log.calls.push(Call::Masks);
         log.steps.extend_from_slice(steps);
         log.batches.push(steps.len());
         log.masked.push(masks.iter().flatten().count());
+        log.adjusted.push((0..steps.len()).filter(|&i| !lists(i).is_empty()).count());
         let v = l.len() / steps.len();
+        for (i, st) in steps.iter().enumerate() {
+            apply_logit_adjust(&mut l[i * v..(i + 1) * v], st.sampling.valid, lists(i));
+        }
         let tokens =
             steps.iter().zip(&masks).enumerate().map(|(i, (st, mask))| mock_sample(&l[i * v..(i + 1) * v], st, mask.as_deref())).collect();
         log.calls.push(Call::Sampled);
@@ -158,6 +182,17 @@ fn start_with(
     enabled: bool,
     batch: bool,
     masks: bool,
+) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
+    start_full(fast, fail_prepare, enabled, batch, masks, 0)
+}
+
+fn start_full(
+    fast: Option<bool>,
+    fail_prepare: bool,
+    enabled: bool,
+    batch: bool,
+    masks: bool,
+    adjust_cap: usize,
 ) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
     let dir = model_dir();
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
@@ -177,7 +212,7 @@ fn start_with(
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;
         let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> =
-            fast.map(|_| Box::new(Mock { log: log2, fail_prepare, batch, masks }) as Box<dyn FastDecode<CpuBackend>>);
+            fast.map(|_| Box::new(Mock { log: log2, fail_prepare, batch, masks, adjust_cap }) as Box<dyn FastDecode<CpuBackend>>);
         Ok(LoadedModel { model, fast_decode })
     });
     e.wait_ready().unwrap();
@@ -498,6 +533,83 @@ fn constrained_requests_decode_on_the_batch_path() {
     assert_eq!(l.calls, [Call::Forward, Call::Masks, Call::Sampled].repeat(l.batches.len()));
     drop(l);
     for e in [plain, fast, nomask] {
+        e.shutdown(false);
+    }
+}
+
+/// Penalised and biased requests, on a decoder that takes logit adjustments, decode on the batch
+/// path (alone as a batch of one, and next to a free request) with their lists, giving the
+/// generic path's greedy tokens; a list over the decoder's cap, or a decoder without adjustments,
+/// leaves the request on the generic path; a request without any stays on the lone-sequence step.
+#[test]
+fn penalised_requests_decode_on_the_batch_path() {
+    let (plain, _, tok) = start(None, false, true);
+    let (fast, log, _) = start_full(Some(true), false, true, true, true, 4096);
+    let (small, log_small, _) = start_full(Some(true), false, true, true, true, 8);
+    let base = req(&tok, PROMPTS[0], 24);
+    let free = collect(plain.submit(base.clone()).unwrap());
+    let bias: std::collections::HashMap<u32, f32> =
+        [(free.tokens[3], -100.0), (free.tokens[5], 3.5), (free.tokens[0], 0.0)].into_iter().collect();
+    // (A negative presence penalty rewards repeats: the greedy output has few to penalise.)
+    let cases = [
+        (SamplingParams { repetition_penalty: 2.0, ..Default::default() }, Default::default()),
+        (SamplingParams { repetition_penalty: 0.5, ..Default::default() }, Default::default()),
+        (SamplingParams { presence_penalty: -2.0, ..Default::default() }, Default::default()),
+        (SamplingParams { frequency_penalty: -1.5, ..Default::default() }, Default::default()),
+        (SamplingParams::default(), bias),
+        (SamplingParams { repetition_penalty: 1.2, presence_penalty: -0.3, frequency_penalty: 0.4, ..Default::default() }, {
+            [(free.tokens[2], 2.0)].into_iter().collect()
+        }),
+    ];
+    let mut changed = 0;
+    for (p, bias) in &cases {
+        let mut r = base.clone();
+        r.sampling = p.clone();
+        r.logit_bias = bias.clone();
+        let a = collect(plain.submit(r.clone()).unwrap());
+        changed += (a.tokens != free.tokens) as usize;
+        // Alone: every token after the first is a batch of one with its list.
+        let (before, batches) = {
+            let l = log.lock().unwrap();
+            (l.steps.len(), l.batches.len())
+        };
+        let b = collect(fast.submit(r.clone()).unwrap());
+        assert_eq!(a, b, "{p:?} {bias:?}: the adjusted batch path changed the greedy output");
+        let l = log.lock().unwrap();
+        assert_eq!(l.steps.len() - before, b.tokens.len() - 1, "{p:?}");
+        assert!(l.steps[before..].iter().all(|s| s.adjust > 0));
+        assert!(l.batches[batches..].iter().zip(&l.adjusted[batches..]).all(|(&n, &k)| n == 1 && k == 1), "{p:?}");
+        drop(l);
+        // Next to a free request: batches of two, one adjusted row.
+        let other = req(&tok, PROMPTS[1], 20);
+        let solo = collect(plain.submit(other.clone()).unwrap());
+        let batches = log.lock().unwrap().batches.len();
+        let (x, y) = (fast.submit(r.clone()).unwrap(), fast.submit(other.clone()).unwrap());
+        assert_eq!((collect(x), collect(y)), (a.clone(), solo), "{p:?}");
+        let l = log.lock().unwrap();
+        assert!(l.batches[batches..].iter().zip(&l.adjusted[batches..]).any(|(&n, &k)| n == 2 && k == 1), "{p:?}: {:?}", l.batches);
+        drop(l);
+        // A cap of 8 entries: a repetition penalty over the prompt exceeds it (generic path).
+        let before = log_small.lock().unwrap().steps.len();
+        assert_eq!(collect(small.submit(r.clone()).unwrap()), a);
+        if p.repetition_penalty != 1.0 {
+            assert_eq!(log_small.lock().unwrap().steps.len(), before, "{p:?}: a list over the cap went to the decoder");
+        }
+    }
+    assert!(changed >= 4, "the penalties changed too few outputs ({changed}) to show anything");
+    // A sampled penalised request goes through the batch path too.
+    let mut r = base.clone();
+    r.sampling = SamplingParams { temperature: 0.9, top_p: 0.95, frequency_penalty: 0.5, seed: Some(4), ..Default::default() };
+    let before = log.lock().unwrap().steps.len();
+    let o = collect(fast.submit(r).unwrap());
+    assert_eq!(log.lock().unwrap().steps.len() - before, o.tokens.len() - 1);
+    // Neutral penalties: no list, the lone-sequence step.
+    let mut r = base.clone();
+    r.sampling = SamplingParams { repetition_penalty: 1.0, presence_penalty: 0.0, ..Default::default() };
+    let batches = log.lock().unwrap().batches.len();
+    assert_eq!(collect(fast.submit(r).unwrap()), free);
+    assert_eq!(log.lock().unwrap().batches.len(), batches);
+    for e in [plain, fast, small] {
         e.shutdown(false);
     }
 }

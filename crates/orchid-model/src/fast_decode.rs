@@ -11,9 +11,10 @@ use crate::error::Result;
 use crate::model::Model;
 
 /// The sampling a fast decoder must do on the device: temperature, top-k, top-p, min-p with a
-/// seeded generator (the engine keeps repetition/presence/frequency penalties and
-/// log-probabilities on its generic path). Semantics are those of the engine's host sampler;
-/// greedy picks the lowest id among equal maxima.
+/// seeded generator (the engine keeps log-probabilities on its generic path; penalties and logit
+/// biases come as the step's [`LogitAdjust`] lists, see [`FastDecode::logit_adjust_cap`]).
+/// Semantics are those of the engine's host sampler; greedy picks the lowest id among equal
+/// maxima.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceSampling {
     /// ≤ 0: greedy.
@@ -51,6 +52,11 @@ pub struct DecodeStep {
     /// first token after the prompt); the counter of the seeded device generator.
     pub index: usize,
     pub sampling: DeviceSampling,
+    /// At least as many entries as the step's logit adjustment list will have (its penalties and
+    /// logit bias, see [`LogitAdjust`]); 0: the step has none. A step with adjustments runs
+    /// through `step_batch` (`step` takes none), and only when this is at most the decoder's
+    /// [`FastDecode::logit_adjust_cap`].
+    pub adjust: usize,
 }
 
 /// The token masks of a batched step (a grammar's), one entry per step in order; `None`: the row
@@ -59,6 +65,66 @@ pub struct DecodeStep {
 /// a logit of -inf before any of its filters (greedy picks the best allowed token; top-k, top-p
 /// and min-p see only allowed ones).
 pub type TokenMasks = Vec<Option<Vec<u32>>>;
+
+/// One token's logit adjustment in a row's list: the host sampler's penalties and logit bias in
+/// per-token form, applied in its order before any filter (see [`apply`](Self::apply)). A list
+/// holds each token once, in increasing id order; a token the list lacks is left alone. The
+/// neutral values (bias -0.0, repetition 1, subtract +0.0) leave a logit bit for bit as it is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogitAdjust {
+    pub token: u32,
+    /// Added first (`logit_bias`); -0.0: none.
+    pub bias: f32,
+    /// Then HF's repetition penalty: a positive logit is divided by it, any other multiplied;
+    /// 1: none (a token neither in the prompt nor generated).
+    pub repetition: f32,
+    /// Then subtracted: presence + frequency · count over the generated tokens; +0.0: none.
+    pub subtract: f32,
+}
+
+impl LogitAdjust {
+    /// An entry that changes nothing.
+    pub fn neutral(token: u32) -> LogitAdjust {
+        LogitAdjust { token, bias: -0.0, repetition: 1.0, subtract: 0.0 }
+    }
+
+    /// The adjusted logit (the reference of the device kernel: each operation rounded once, in
+    /// this order).
+    pub fn apply(&self, x: f32) -> f32 {
+        let x = x + self.bias;
+        let x = if x > 0.0 { x / self.repetition } else { x * self.repetition };
+        x - self.subtract
+    }
+}
+
+/// Applies a row's adjustment list to its logits; entries at ids ≥ `valid` (or past the row) are
+/// skipped.
+pub fn apply_logit_adjust(logits: &mut [f32], valid: usize, list: &[LogitAdjust]) {
+    let valid = valid.min(logits.len());
+    for a in list {
+        if (a.token as usize) < valid {
+            logits[a.token as usize] = a.apply(logits[a.token as usize]);
+        }
+    }
+}
+
+/// What a batched step learns late (see [`FastDecode::step_batch`]): its rows' token masks and
+/// logit adjustment lists.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LateInputs {
+    /// One entry per step in order (see [`TokenMasks`]).
+    pub masks: TokenMasks,
+    /// One list per step in order (empty: the row has none), or no list at all when no row has
+    /// any; only a decoder whose [`FastDecode::logit_adjust_cap`] is non-zero gets any, each at
+    /// most that long and no longer than its step's [`DecodeStep::adjust`].
+    pub adjust: Vec<Vec<LogitAdjust>>,
+}
+
+impl From<TokenMasks> for LateInputs {
+    fn from(masks: TokenMasks) -> LateInputs {
+        LateInputs { masks, adjust: Vec::new() }
+    }
+}
 
 /// A backend's fast single-sequence decoder (see the module docs). Implementations keep
 /// whatever they cache per slot (captured graphs, device-side input token and position) and
@@ -96,6 +162,14 @@ pub trait FastDecode<B: Backend> {
         false
     }
 
+    /// The longest logit adjustment list (penalties, logit bias: [`LogitAdjust`]) `step_batch`
+    /// takes for a row; the engine runs a step whose [`DecodeStep::adjust`] is larger, or any
+    /// such step when this is 0 (the default), on the generic path. Steps with adjustments run
+    /// through `step_batch`, alone as a batch of one if need be.
+    fn logit_adjust_cap(&self) -> usize {
+        0
+    }
+
     /// Gets ready to decode the sequences of `steps` together with `step_batch` (e.g. captures
     /// a graph for a batch of that size) without changing their states. `steps` holds one step
     /// or more (one: a sequence under a grammar, for a decoder that takes masks). An error means
@@ -108,18 +182,39 @@ pub trait FastDecode<B: Backend> {
 
     /// One decode step of several sequences at once (distinct slots; each step as in `step`,
     /// after a `prepare_batch` of the same steps): returns the sampled tokens in order. The
-    /// steps' token masks come late, so that the caller computes them while the device runs the
-    /// forward pass: the implementation calls `masks` exactly once, after it has issued the
-    /// step's forward work and before it samples, and samples under what it returns (one entry
-    /// per step; only a decoder whose [`masks`](Self::masks) is true gets any `Some`). An
-    /// implementation that fails before it issues the forward work may return the error without
-    /// calling `masks`. Like `step`, any interleaving with `Model::forward` and `step` on the
-    /// same state is allowed; after an error the sequences' states are undefined.
+    /// steps' token masks and logit adjustments come late, so that the caller computes them while
+    /// the device runs the forward pass: the implementation calls `late` exactly once, after it
+    /// has issued the step's forward work and before it samples, and samples under what it
+    /// returns (see [`LateInputs`]: each row's logits adjusted by its list, then masked; only a
+    /// decoder whose [`masks`](Self::masks) is true gets any `Some` mask). An implementation that
+    /// fails before it issues the forward work may return the error without calling `late`. Like
+    /// `step`, any interleaving with `Model::forward` and `step` on the same state is allowed;
+    /// after an error the sequences' states are undefined.
     fn step_batch(
         &mut self,
         model: &Model<B>,
         state: &mut B::State,
         steps: &[DecodeStep],
-        masks: &mut dyn FnMut() -> TokenMasks,
+        late: &mut dyn FnMut() -> LateInputs,
     ) -> Result<Vec<u32>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logit_adjust_rules() {
+        let a = LogitAdjust { token: 1, bias: 0.5, repetition: 2.0, subtract: 0.25 };
+        // (1 + 0.5) / 2 - 0.25; (-1 + 0.5) * 2 - 0.25.
+        assert_eq!(a.apply(1.0), 0.5);
+        assert_eq!(a.apply(-1.0), -1.25);
+        // The neutral entry keeps every value bit for bit, signed zeros and infinities included.
+        for x in [0.0f32, -0.0, 1.5, -3.25, f32::INFINITY, f32::NEG_INFINITY, f32::MIN_POSITIVE] {
+            assert_eq!(LogitAdjust::neutral(0).apply(x).to_bits(), x.to_bits());
+        }
+        let mut l = vec![1.0f32, 2.0, 3.0];
+        apply_logit_adjust(&mut l, 2, &[LogitAdjust { token: 0, ..a }, LogitAdjust { token: 2, ..a }, LogitAdjust { token: 9, ..a }]);
+        assert_eq!(l, [0.5, 2.0, 3.0]);
+    }
 }

@@ -1,5 +1,6 @@
 //! Sampling launchers (greedy argmax over many blocks; the general sampler in one block), with an
-//! optional token mask per row (a grammar's: a masked-out token counts as a logit of -inf).
+//! optional token mask per row (a grammar's: a masked-out token counts as a logit of -inf), and
+//! the per-row sparse logit adjustments (penalties, logit bias) applied before them.
 
 use orchid_model::error::Result;
 
@@ -39,6 +40,27 @@ crate::kernel_abi! {
         vocab: i32,
         nblocks: i32,
     }
+    /// One token's adjustment (`orchid_model::LogitAdjust`; token ≥ the row's `valid`: skipped).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct AdjustEntry {
+        token: i32,
+        bias: f32,
+        repetition: f32,
+        subtract: f32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct AdjustArgs {
+        /// f32 [rows, vocab], adjusted in place.
+        logits: u64,
+        /// i32 [rows + 1]: row r's entries are entries[offsets[r] .. offsets[r + 1]].
+        offsets: u64,
+        /// AdjustEntry [..], each row's tokens distinct.
+        entries: u64,
+        /// SampleParams [rows] (for `valid`).
+        params: u64,
+        vocab: i32,
+        pad: i32,
+    }
 }
 
 /// Blocks of the greedy argmax (the partial buffer holds this many float2).
@@ -72,11 +94,19 @@ pub fn rows(c: &Ctx, a: &SampleArgs, rows: usize, greedy: bool) -> Result<()> {
     }
 }
 
+/// Applies each row's adjustment list to its logits in place (one block per row of `rows`; a
+/// row with an empty list returns at once). The CPU reference is `orchid_model::apply_logit_adjust`.
+pub fn adjust_rows(c: &Ctx, a: &AdjustArgs, rows: usize) -> Result<()> {
+    c.k("logit_adjust_rows").launch(&c.gpu, (rows as u32, 1, 1), 256, 0, a)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn sizes() {
         assert_eq!(std::mem::size_of::<super::SampleParams>(), 32);
         assert_eq!(std::mem::size_of::<super::SampleArgs>(), 72);
+        assert_eq!(std::mem::size_of::<super::AdjustEntry>(), 16);
+        assert_eq!(std::mem::size_of::<super::AdjustArgs>(), 40);
     }
 }
