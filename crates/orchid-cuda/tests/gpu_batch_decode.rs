@@ -91,20 +91,19 @@ fn graph_decode(
             graphs.push(BatchGraph::new(m, &mut st, bucket, greedy).unwrap());
         }
         let g = graphs.iter_mut().find(|g| g.bucket == bucket).unwrap();
-        let rows: Vec<BatchRow> = (0..n)
-            .map(|i| BatchRow {
-                slot: slots[i],
-                token: *out[i].last().unwrap(),
-                pos: prompts[i].len() + k,
-                index: k + 1,
-                params: params[i],
-            })
-            .collect();
+        let rows = step_rows(&slots, &out, prompts, params, n, k);
         for (i, t) in g.step(&mut st, &rows, &mut || (0..n).map(|i| masks(k, i)).collect()).unwrap().into_iter().enumerate() {
             out[i].push(t);
         }
     }
     out
+}
+
+/// Step `k` of the first `n` sequences: each one's last token at its position after its prompt.
+fn step_rows(slots: &[usize], out: &[Vec<u32>], prompts: &[Vec<u32>], params: &[SampleParams], n: usize, k: usize) -> Vec<BatchRow> {
+    (0..n)
+        .map(|i| BatchRow { slot: slots[i], token: *out[i].last().unwrap(), pos: prompts[i].len() + k, index: k + 1, params: params[i] })
+        .collect()
 }
 
 fn first_mismatch(a: &[Vec<u32>], b: &[Vec<u32>]) -> Option<(usize, usize)> {
@@ -345,15 +344,7 @@ fn graph_decode_adjusted(
     let greedy = params.iter().all(|p| p.is_greedy());
     let mut g = BatchGraph::new(m, &mut st, orchid_cuda::batch_graph::bucket_for(n), greedy).unwrap();
     for k in 0..steps {
-        let rows: Vec<BatchRow> = (0..n)
-            .map(|i| BatchRow {
-                slot: slots[i],
-                token: *out[i].last().unwrap(),
-                pos: prompts[i].len() + k,
-                index: k + 1,
-                params: params[i],
-            })
-            .collect();
+        let rows = step_rows(&slots, &out, prompts, params, n, k);
         let late = LateInputs { masks: vec![None; n], adjust: hs.iter().map(|s| s.device_adjust(valid)).collect() };
         let got = g.step_late(&mut st, &rows, &mut || late.clone()).unwrap();
         for (i, t) in got.into_iter().enumerate() {
