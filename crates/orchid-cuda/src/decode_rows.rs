@@ -30,7 +30,7 @@ pub struct DeviceBatch {
 
 /// Whether `batch` goes through this module: every span one token (a lone token too, so that an
 /// op-level decode step runs the kernels of the captured one and gives the same logits).
-pub fn applies(_b: &CudaBackend, batch: &BatchLayout) -> bool {
+pub fn applies(batch: &BatchLayout) -> bool {
     batch.spans.iter().all(|s| s.len == 1)
 }
 

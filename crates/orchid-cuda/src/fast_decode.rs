@@ -80,6 +80,11 @@ fn batch_key(steps: &[DecodeStep]) -> (usize, bool) {
     (bucket_for(steps.len()), steps.iter().all(|s| s.sampling.is_greedy()))
 }
 
+/// The graph row of an engine step.
+fn batch_row(s: &DecodeStep) -> BatchRow {
+    BatchRow { slot: s.slot, token: s.token, pos: s.pos, index: s.index, params: sample_params(&s.sampling) }
+}
+
 /// The device sampler's parameters for `s` (greedy ones are normalised, so that requests that
 /// differ only in unused fields do not re-upload them).
 pub fn sample_params(s: &DeviceSampling) -> SampleParams {
@@ -121,7 +126,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
             return Err(Error::Op { op: "decode", msg: "a single-sequence step takes no logit adjustments (step_batch does)".into() });
         }
         let steps = std::slice::from_ref(step);
-        let row = BatchRow { slot: step.slot, token: step.token, pos: step.pos, index: step.index, params: sample_params(&step.sampling) };
+        let row = batch_row(step);
         let graph = self
             .batches
             .get_mut(&batch_key(steps))
@@ -155,10 +160,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         steps: &[DecodeStep],
         late: &mut dyn FnMut() -> LateInputs,
     ) -> Result<Vec<u32>> {
-        let rows: Vec<BatchRow> = steps
-            .iter()
-            .map(|s| BatchRow { slot: s.slot, token: s.token, pos: s.pos, index: s.index, params: sample_params(&s.sampling) })
-            .collect();
+        let rows: Vec<BatchRow> = steps.iter().map(batch_row).collect();
         let key = batch_key(steps);
         let graph = self
             .batches

@@ -349,7 +349,7 @@ impl Backend for CudaBackend {
         state: &mut CudaState,
     ) -> Result<CudaTensor> {
         self.gpu().bind()?;
-        if decode_rows::applies(self, batch) {
+        if decode_rows::applies(batch) {
             return decode_rows::attention(self, inp, dims, eps, layer, batch, state);
         }
         layers::attention(self, inp, dims, eps, layer, batch, state)
@@ -365,7 +365,7 @@ impl Backend for CudaBackend {
         state: &mut CudaState,
     ) -> Result<CudaTensor> {
         self.gpu().bind()?;
-        if decode_rows::applies(self, batch) {
+        if decode_rows::applies(batch) {
             return decode_rows::deltanet(self, inp, dims, eps, layer, batch, state);
         }
         layers::deltanet(self, inp, dims, eps, layer, batch, state)
