@@ -527,10 +527,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_combine(const Att
 // Decode of one token of each of several sequences. Row r is the sequence in state slot
 // rows_slot[r] (its block table ld_table entries after `table` per slot) at position pos_ptr[r];
 // its q|gate, k, v rows are r·ldq / r·ldk floats in, its output row r·Hq·D, its partials after
-// those of the rows before it. Padding rows (negative slot) write zeros.
+// those of the rows before it. Padding rows (negative slot) write zeros. A null rows_slot means
+// slot 0 for every row (a graph pinned to one sequence passes that sequence's block table).
 struct DecodeRow {
     int r, slot;
-    DEVI DecodeRow(const AttnArgs& a, int row) : r(row), slot(((const int*)a.rows_slot)[row]) {}
+    DEVI DecodeRow(const AttnArgs& a, int row) : r(row), slot(a.rows_slot ? ((const int*)a.rows_slot)[row] : 0) {}
     DEVI i64 parts(const AttnArgs& a) const { return (i64)r * a.Hkv * ((a.G + 15) / 16) * a.nsplit * 16; }
     DEVI AttnArgs attn(const AttnArgs& a0, int D) const {
         AttnArgs a = a0;

@@ -715,10 +715,12 @@ extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_d
 // One token of each of several sequences (grid.y = rows): row r is the sequence in state slot
 // rows_slot[r] at position pos_ptr[r]; its inputs and output are rows of their tensors (strides
 // ld_*), its states sit slot·conv_stride / slot·rec_stride floats after conv_state / state. A row
-// whose slot is negative (padding of a batch bucket) writes zeros to its output.
+// whose slot is negative (padding of a batch bucket) writes zeros to its output. A null rows_slot
+// means slot 0 for every row: a graph pinned to one sequence passes its states' addresses, so no
+// load of the slot stands before the state requests.
 extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_decode_rows(const GdnDecodeArgs a0) {
     const int r = blockIdx.y;
-    const int slot = ((const int*)a0.rows_slot)[r];
+    const int slot = a0.rows_slot ? ((const int*)a0.rows_slot)[r] : 0;
     if (slot < 0) {  // the same for every block of a cluster: all of them leave here
         pdl_enter();
         const int j = blockIdx.x / GDN_NS, sp = blockIdx.x % GDN_NS, cw = a0.dv / GDN_NS;
@@ -829,7 +831,7 @@ DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
     float* ocs = vals + nch;
     constexpr bool SREG = DKT > 0 && DVT > 0;  // the slice's state rows in registers (else in place)
     for (int t = tid; t < nr; t += GDN_THREADS) {
-        const int r = y + t * G, slot = ((const int*)a.rows_slot)[r];
+        const int r = y + t * G, slot = a.rows_slot ? ((const int*)a.rows_slot)[r] : 0;
         sm.rslot[t] = slot;
         sm.rpos[t] = slot >= 0 ? ((const int*)a.pos_ptr)[r] : 0;
     }

@@ -8,12 +8,14 @@
 //! The graphs read their inputs from device buffers (`DeviceBatch`: token ids, state slots,
 //! positions, plus each row's step counter, sampling parameters and mask), so one capture per
 //! bucket size serves whatever sequences are running; rows past the running ones are padding
-//! (slot −1: their attention and GDN blocks write zeros and touch no state). The temporaries of
-//! both graphs are carved from one arena (`Arena`), which never reuses memory: the logits the
-//! forward graph leaves there are still intact when the sampling graph reads them. Graphs of
-//! different buckets may share one arena (`new_in`): only one step runs at a time, and a step's
-//! temporaries are dead once its tokens are read. Between
-//! replays the host does what the captured walk cannot: it makes sure every row's KV blocks exist
+//! (slot −1: their attention and GDN blocks write zeros and touch no state). A graph of one row
+//! may instead be pinned to a state slot (`new_pinned`): its kernels get that slot's state
+//! addresses as arguments, which saves each attention and GDN kernel a dependent load before its
+//! state requests (a lone sequence's step is a chain of ~200 latency-bound kernels). The
+//! temporaries of both graphs are carved from one arena (`Arena`), which never reuses memory:
+//! the logits the forward graph leaves there are still intact when the sampling graph reads them.
+//! Graphs of different buckets may share one arena (`new_in`): only one step runs at a time, and
+//! a step's temporaries are dead once its tokens are read. Between replays the host does what the captured walk cannot: it makes sure every row's KV blocks exist
 //! and keeps the per-layer cache lengths in step, as the eager decode-rows path would
 //! (`decode_rows`).
 
@@ -47,6 +49,8 @@ pub struct BatchGraph {
     ctx: Arc<Ctx>,
     pub bucket: usize,
     pub greedy: bool,
+    /// The state slot a one-row graph is pinned to (`new_pinned`); None: any slots.
+    pub pinned: Option<usize>,
     /// The forward pass over the rows; it leaves the logits in the arena ...
     forward: Graph,
     /// ... where the sampling of every row reads them.
@@ -91,24 +95,30 @@ pub struct BatchGraph {
 impl BatchGraph {
     /// Captures the decode step of `bucket` rows, sampling greedily or with the general sampler.
     pub fn new(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool) -> Result<BatchGraph> {
-        Self::build(model, state, bucket, greedy, false, &mut None)
+        Self::build(model, state, (bucket, None), greedy, false, &mut None)
     }
 
-    /// Like `new`, with the step's temporaries in `arena` when it is large enough; else in a new
-    /// arena, which replaces it there (graphs captured in the old one keep it alive).
+    /// The decode step of the one sequence in state slot `slot` (see the module docs).
+    pub fn new_pinned(model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, greedy: bool) -> Result<BatchGraph> {
+        Self::build(model, state, (1, Some(slot)), greedy, false, &mut None)
+    }
+
+    /// Like `new` (`pinned`: like `new_pinned`, with one row), with the step's temporaries in
+    /// `arena` when it is large enough; else in a new arena, which replaces it there (graphs
+    /// captured in the old one keep it alive).
     pub fn new_in(
         model: &Model<CudaBackend>,
         state: &mut CudaState,
-        bucket: usize,
+        (bucket, pinned): (usize, Option<usize>),
         greedy: bool,
         arena: &mut Option<Arc<DevBuf>>,
     ) -> Result<BatchGraph> {
-        Self::build(model, state, bucket, greedy, false, arena)
+        Self::build(model, state, (bucket, pinned), greedy, false, arena)
     }
 
     /// Like `new`, with a timing event after every launch of the step (slower; for profiles).
     pub fn new_profiled(model: &Model<CudaBackend>, state: &mut CudaState, bucket: usize, greedy: bool) -> Result<BatchGraph> {
-        Self::build(model, state, bucket, greedy, true, &mut None)
+        Self::build(model, state, (bucket, None), greedy, true, &mut None)
     }
 
     /// Bytes of the arena the graph's temporaries are carved from.
@@ -126,7 +136,7 @@ impl BatchGraph {
     fn build(
         model: &Model<CudaBackend>,
         state: &mut CudaState,
-        bucket: usize,
+        (bucket, pinned): (usize, Option<usize>),
         greedy: bool,
         profile: bool,
         shared: &mut Option<Arc<DevBuf>>,
@@ -139,6 +149,11 @@ impl BatchGraph {
         let v = cfg.vocab_size;
         if bucket == 0 {
             return Err(Error::Op { op: "batch decode", msg: "an empty bucket".into() });
+        }
+        if let Some(slot) = pinned
+            && (bucket != 1 || slot >= state.capacity())
+        {
+            return Err(Error::Op { op: "batch decode", msg: format!("a graph of {bucket} rows pinned to slot {slot}") });
         }
         let i32s = |n: usize| DevBuf::zeros(&gpu, n * 4);
         let inputs = i32s(4 * bucket)?;
@@ -157,8 +172,8 @@ impl BatchGraph {
         }
         gpu.synchronize()?;
         let at = |i: usize| inputs.ptr + (i * bucket * 4) as u64;
-        b.set_device_batch(Some(DeviceBatch { ids: at(0), slots: at(1), pos: at(2), rows: bucket }));
-        let layout = BatchLayout { spans: (0..bucket).map(|slot| SeqSpan { slot, start: 0, len: 1 }).collect() };
+        b.set_device_batch(Some(DeviceBatch { ids: at(0), slots: at(1), pos: at(2), rows: bucket, pinned }));
+        let layout = BatchLayout { spans: (0..bucket).map(|i| SeqSpan { slot: pinned.unwrap_or(i), start: 0, len: 1 }).collect() };
         let ids = vec![0u32; bucket];
         let sample = sp::SampleArgs {
             logits: 0,
@@ -233,6 +248,7 @@ impl BatchGraph {
             ctx,
             bucket,
             greedy,
+            pinned,
             forward,
             sample,
             whole,
@@ -320,6 +336,9 @@ impl BatchGraph {
         let n = rows.len();
         if n == 0 || n > self.bucket {
             return Err(Error::Op { op: "batch decode", msg: format!("{n} rows for a graph of {}", self.bucket) });
+        }
+        if let Some(slot) = self.pinned.filter(|&s| s != rows[0].slot) {
+            return Err(Error::Op { op: "batch decode", msg: format!("slot {} in a graph pinned to slot {slot}", rows[0].slot) });
         }
         self.ctx.gpu.bind()?;
         for r in rows {

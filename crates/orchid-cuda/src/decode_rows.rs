@@ -26,6 +26,19 @@ pub struct DeviceBatch {
     pub slots: u64,
     pub pos: u64,
     pub rows: usize,
+    /// A step of one row pinned to this state slot: the kernels get the slot's state and block
+    /// table addresses as arguments instead of reading the slot from `slots` (one dependent load
+    /// fewer before their state requests).
+    pub pinned: Option<usize>,
+}
+
+/// Where the rows' states are found: the device array of slots (0 for slot 0 of every row) and
+/// the slot whose addresses the kernels are given.
+fn rows_slots(b: &CudaBackend, slots: u64) -> (u64, usize) {
+    match b.device_batch().and_then(|db| db.pinned) {
+        Some(slot) => (0, slot),
+        None => (slots, 0),
+    }
 }
 
 /// Whether `batch` goes through this module: every span one token (a lone token too, so that an
@@ -78,6 +91,7 @@ pub fn attention(
         }
     }
     let (slots, pos) = rows_meta(b, batch, state)?;
+    let (slots, base) = rows_slots(b, slots);
     let inv_freq = b.inv_freq(dims.rope_theta, dims.rotary_dim)?;
     // Splits enough for about two blocks per SM over all rows (the positions are device data).
     let nsplit = (2 * b.gpu().sms as usize).div_ceil(hkv * rows).clamp(1, c.tuning.attn_splits.clamp(1, at::MAX_SPLITS));
@@ -94,7 +108,7 @@ pub fn attention(
         inv_freq: inv_freq.ptr,
         kpool: state.kpool_ptr(layer),
         vpool: state.vpool_ptr(layer),
-        table: state.table_ptr(0),
+        table: state.table_ptr(base),
         pos_ptr: pos,
         t: 1,
         hq: hq as i32,
@@ -156,6 +170,7 @@ pub fn deltanet(
         }
     }
     let (slots, pos) = rows_meta(b, batch, state)?;
+    let (slots, base) = rows_slots(b, slots);
     let out = b.tensor(rows, hv * dv)?;
     let stride = |floats: usize| {
         i32::try_from(floats).map_err(|_| Error::Op { op: "deltanet", msg: "state slots too large for the batched decode".into() })
@@ -166,11 +181,11 @@ pub fn deltanet(
         b: inp.b.ptr(),
         a: inp.a.ptr(),
         conv_w: inp.conv.buf.ptr,
-        conv_state: state.conv_ptr(0, layer),
+        conv_state: state.conv_ptr(base, layer),
         a_log: inp.a_log.buf.ptr,
         dt_bias: inp.dt_bias.buf.ptr,
         norm_w: inp.norm.buf.ptr,
-        state: state.rec_ptr(0, layer),
+        state: state.rec_ptr(base, layer),
         out: out.ptr(),
         pos_ptr: pos,
         rows_slot: slots,

@@ -1,7 +1,8 @@
 //! The engine's fast decode on CUDA: [`GraphFastDecode`] implements `orchid_model::FastDecode`
 //! with one [`BatchGraph`] per (bucket, greedy/sampled), captured on first use and kept for the
-//! life of the engine. A lone sequence is a batch of one (bucket 1): the same capture of
-//! `Model::forward` as every other bucket, so there is one model walk on the GPU. All the graphs
+//! life of the engine. A lone sequence is a batch of one: the same capture of `Model::forward` as
+//! every other bucket, so there is one model walk on the GPU, pinned to the sequence's state slot
+//! (one graph per slot that has decoded alone; see `BatchGraph::new_pinned`). All the graphs
 //! carve their step's temporaries from one arena (one step runs at a time), sized by the largest
 //! bucket, which is captured first (`with_max_rows`).
 //!
@@ -35,10 +36,14 @@ use crate::driver::DevBuf;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
 
-/// Batch graphs per (bucket, greedy) and their shared arena; see the module docs.
+/// What a batch graph is captured for: its bucket, the slot a one-row graph is pinned to, and
+/// whether it samples greedily.
+type GraphKey = ((usize, Option<usize>), bool);
+
+/// Batch graphs per `GraphKey` and their shared arena; see the module docs.
 #[derive(Default)]
 pub struct GraphFastDecode {
-    batches: HashMap<(usize, bool), BatchGraph>,
+    batches: HashMap<GraphKey, BatchGraph>,
     arena: Option<Arc<DevBuf>>,
     /// The most rows a step will have (the engine's `max_seqs`; 0: unknown).
     max_rows: usize,
@@ -55,15 +60,16 @@ impl GraphFastDecode {
         GraphFastDecode { max_rows, ..GraphFastDecode::default() }
     }
 
-    fn capture(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, key: (usize, bool)) -> Result<()> {
+    fn capture(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, key: GraphKey) -> Result<()> {
         if self.batches.contains_key(&key) {
             return Ok(());
         }
         let t = std::time::Instant::now();
         let g = BatchGraph::new_in(model, state, key.0, key.1, &mut self.arena)?;
         tracing::info!(
-            "decode graph for {} rows ({}) captured in {:.0} ms: {} nodes, pdl {}, arena {:.1} MiB",
-            key.0,
+            "decode graph for {} rows{} ({}) captured in {:.0} ms: {} nodes, pdl {}, arena {:.1} MiB",
+            key.0.0,
+            key.0.1.map_or(String::new(), |s| format!(" (slot {s})")),
             if key.1 { "greedy" } else { "sampled" },
             t.elapsed().as_secs_f64() * 1e3,
             g.nodes,
@@ -75,9 +81,13 @@ impl GraphFastDecode {
     }
 }
 
-/// The batched graph that runs `steps`: (bucket, all greedy).
-fn batch_key(steps: &[DecodeStep]) -> (usize, bool) {
-    (bucket_for(steps.len()), steps.iter().all(|s| s.sampling.is_greedy()))
+/// The batched graph that runs `steps`: (bucket, pinned slot of a lone step), all greedy.
+fn batch_key(steps: &[DecodeStep]) -> GraphKey {
+    let pinned = match steps {
+        [s] => Some(s.slot),
+        _ => None,
+    };
+    ((bucket_for(steps.len()), pinned), steps.iter().all(|s| s.sampling.is_greedy()))
 }
 
 /// The graph row of an engine step.
@@ -109,11 +119,14 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     }
 
     /// The greedy graphs of the largest bucket (first: its arena serves every bucket) and of one
-    /// row.
+    /// row in slot 0 (the slot a lone request gets).
     fn warm_up(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, max_rows: usize) -> Result<()> {
         self.max_rows = self.max_rows.max(max_rows);
-        self.capture(model, state, (bucket_for(self.max_rows), true))?;
-        self.capture(model, state, (1, true))
+        let largest = bucket_for(self.max_rows);
+        if largest > 1 {
+            self.capture(model, state, ((largest, None), true))?;
+        }
+        self.capture(model, state, ((1, Some(0)), true))
     }
 
     fn prepare(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, sampling: &DeviceSampling) -> Result<()> {
@@ -147,8 +160,8 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     fn prepare_batch(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<()> {
         let key = batch_key(steps);
         let largest = bucket_for(self.max_rows);
-        if self.arena.is_none() && largest > key.0 {
-            self.capture(model, state, (largest, key.1))?;
+        if self.arena.is_none() && largest > key.0.0 {
+            self.capture(model, state, ((largest, None), key.1))?;
         }
         self.capture(model, state, key)
     }

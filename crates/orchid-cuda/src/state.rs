@@ -316,6 +316,11 @@ impl CudaState {
         })
     }
 
+    /// Slots the state has room for (allocated or not).
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
     pub fn slot(&self, slot: usize) -> Result<&SlotState> {
         self.slots.get(slot).and_then(|s| s.as_ref()).ok_or_else(|| Error::Backend(format!("state slot {slot} is not allocated")))
     }

@@ -90,8 +90,10 @@ fn run_case(g: &CudaBackend, name: &str, cfg: &ModelConfig, fmt: Fmt, prompt: us
     let sens = rel_l2(&bl, &cl);
     let fl = floor(cfg);
     check(&format!("{name} {fmt:?} prefill {prompt} (chunks of {chunk})"), &gl, &cl, sens, fl, v);
-    // Decode, teacher-forced: op-level on slot g0, CUDA graph on slot g1.
-    let mut graph = BatchGraph::new(&gpu, &mut gs, 1, true).unwrap();
+    // Decode, teacher-forced: op-level on slot g0 (slots read from a device array), CUDA graph
+    // pinned to slot g1 (its state addresses as kernel arguments), as the engine runs a lone
+    // sequence.
+    let mut graph = BatchGraph::new_pinned(&gpu, &mut gs, g1, true).unwrap();
     let (mut cd, mut bd, mut gd, mut gg) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (i, &tok) in ids[prompt..].iter().enumerate() {
         let p = prompt + i;

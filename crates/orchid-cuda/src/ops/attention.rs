@@ -49,7 +49,8 @@ crate::kernel_abi! {
         part_ml: u64,
         pos_ptr: u64,
         /// Decode of several sequences (`decode_rows`): the state slot of each row (i32; negative:
-        /// padding), `pos_ptr` one position per row, `table` the first slot's block table.
+        /// padding), `pos_ptr` one position per row, `table` the first slot's block table; 0:
+        /// slot 0 for every row (a graph pinned to one sequence: `table` is its block table).
         rows_slot: u64,
         t: i32 => "T",
         start: i32,

@@ -105,7 +105,8 @@ crate::kernel_abi! {
         state: u64,
         out: u64,
         pos_ptr: u64,
-        /// `gdn_decode_rows`: the state slot of each row (i32; negative: padding, output zeros).
+        /// `gdn_decode_rows`: the state slot of each row (i32; negative: padding, output zeros);
+        /// 0: slot 0 for every row (a graph pinned to one sequence: the states are its own).
         rows_slot: u64,
         hk: i32 => "Hk",
         hv: i32 => "Hv",

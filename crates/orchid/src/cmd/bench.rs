@@ -264,7 +264,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if !a.no_speed {
         let max_len = *lengths.iter().max().unwrap_or(&256).max(&(a.profile_context + a.profile_length));
         let mut state = m.new_state(StateOptions::new(1, max_len + a.decode + 64))?;
-        let mut graph = BatchGraph::new(&m, &mut state, 1, true)?;
+        let mut graph = BatchGraph::new_pinned(&m, &mut state, 0, true)?;
         tracing::info!("decode graph: {} nodes per step", graph.nodes);
         report["decode_graph_nodes"] = json!(graph.nodes);
         report["decode_graph_pdl"] = json!(graph.pdl);
