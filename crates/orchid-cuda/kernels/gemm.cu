@@ -25,10 +25,8 @@
 //
 // Split-K (dense GEMMs whose weight rows alone leave SMs idle, ops::gemm_kparts): grid.z = K
 // parts; block z sums its share of the k-steps from zero and writes its f32 partial sums (PAIR:
-// gate and up apart) to part z of a scratch matrix; the parts are added in the order 0, 1, ...
-// (bit-identical runs whichever block finishes last) and the outputs written or added onto out,
-// by the tile's last block to finish (`a.fin`: an arrival counter per output tile) or by
-// gemm_splitk_reduce.
+// gate and up apart) to part z of a scratch matrix; gemm_splitk_reduce adds the parts in the
+// order 0, 1, ... (no atomics: bit-identical runs) and writes the outputs or adds them onto out.
 // The Q4 group-sum term is per 64-group, so it splits with the k-steps.
 
 #define BM 128
@@ -207,27 +205,6 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
         }
     }
 }
-
-// Σ_z p[z · ps] over z = 0 .. kparts − 1 in that order (loads in flight together, adds in order).
-DEVI void sum_parts(const float* p, i64 ps, int kparts, float& s) {
-    s = __ldcg(p);
-#pragma unroll 4
-    for (int z = 1; z < kparts; ++z) s += __ldcg(p + z * ps);
-}
-DEVI void sum_parts(const float* p, i64 ps, int kparts, float4& s) {
-    s = ldcg4(p);
-#pragma unroll 4
-    for (int z = 1; z < kparts; ++z) {
-        const float4 v = ldcg4(p + z * ps);
-        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-    }
-}
-DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
-DEVI float4 silu_times(float4 g, float4 u) {
-    return make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
-}
-DEVI float plus(float a, float b) { return a + b; }
-DEVI float4 plus(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
 
 template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
@@ -436,37 +413,6 @@ DEVI void gemm_body(const GemmArgs& a) {
             o[(i64)tk * a.ldo] = a.acc ? o[(i64)tk * a.ldo] + v : v;
         }
     }
-    if (!split || !a.fin) return;
-    // Split-K reduced here: the tile's last block to arrive adds the parts, exactly as
-    // gemm_splitk_reduce would (the same sums in the same order), so no reduction kernel follows.
-    // Each block's partial stores are made visible before it counts itself; the last block sees
-    // every part after its own fence, and resets the counter for the next launch.
-    __shared__ int last_part;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32* cnt = (u32*)a.counters + blockIdx.y * gridDim.x + blockIdx.x;
-        last_part = atomicAdd(cnt, 1u) == gridDim.z - 1;
-        if (last_part) *cnt = 0u;
-    }
-    __syncthreads();
-    if (!last_part) return;
-    __threadfence();
-    if (r < mrem) {
-        const i64 ps = (i64)a.T * a.ldo;  // floats per part
-        const float* p = (const float*)a.out + (i64)start * a.ldo + m0 + r;
-        float* o = (float*)a.fin + (i64)start * a.fin_ldo + m0 + r;
-        for (int tk = threadIdx.x / OUTW; tk < nst; tk += TSTEP) {
-            float v;
-            sum_parts(p + (i64)tk * a.ldo, ps, (int)gridDim.z, v);
-            if (PAIR) {
-                float u;
-                sum_parts(p + (i64)tk * a.ldo + a.ldo / 2, ps, (int)gridDim.z, u);
-                v = silu_times(v, u);
-            }
-            o[(i64)tk * a.fin_ldo] = a.fin_acc ? o[(i64)tk * a.fin_ldo] + v : v;
-        }
-    }
 }
 
 // MINB: blocks per SM the registers are bounded for (2 where shared memory allows two).
@@ -491,6 +437,27 @@ GEMM_KERNEL(gemm_bf16_pair_n128, FMT_BF16, 128, true, 1)
 // partials at column ldp / 2 + m. gemm_splitk_reduce4: a thread per 4 consecutive outputs of a
 // row (M and ldo multiples of 4, out 16-byte aligned; ldp always is a multiple of 4);
 // gemm_splitk_reduce: a thread per output. grid (ceil(M / V / 256), T) (ops::gemm).
+// Σ_z p[z · ps] over z = 0 .. kparts − 1 in that order (loads in flight together, adds in order).
+DEVI void sum_parts(const float* p, i64 ps, int kparts, float& s) {
+    s = __ldcg(p);
+#pragma unroll 4
+    for (int z = 1; z < kparts; ++z) s += __ldcg(p + z * ps);
+}
+DEVI void sum_parts(const float* p, i64 ps, int kparts, float4& s) {
+    s = ldcg4(p);
+#pragma unroll 4
+    for (int z = 1; z < kparts; ++z) {
+        const float4 v = ldcg4(p + z * ps);
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+    }
+}
+DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+DEVI float4 silu_times(float4 g, float4 u) {
+    return make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
+}
+DEVI float plus(float a, float b) { return a + b; }
+DEVI float4 plus(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+
 // F: float (a thread per output) or float4 (per 4 consecutive outputs of a row).
 template <typename F>
 DEVI void splitk_reduce(const SplitkArgs& a) {

@@ -66,9 +66,6 @@ pub struct Tuning {
     /// Most K parts of a dense GEMM split along K (`ops::gemm::gemm_kparts`; 1: no split-K;
     /// at most `ops::gemm::GEMM_KPARTS_MAX`).
     pub gemm_kparts_max: usize,
-    /// Split-K reduction: 1, by the last block of each output tile inside the GEMM; 0, by the
-    /// separate `gemm_splitk_reduce` kernel (the same sums in the same order).
-    pub gemm_splitk_fused: usize,
 }
 
 impl Default for Tuning {
@@ -84,7 +81,6 @@ impl Default for Tuning {
             gemv_rows_max: 8,
             gdn_rows_kernel: 16,
             gemm_kparts_max: 8,
-            gemm_splitk_fused: 1,
         }
     }
 }
@@ -103,7 +99,6 @@ impl Tuning {
             gemv_rows_max: self.gemv_rows_max.min(4096),
             gdn_rows_kernel: self.gdn_rows_kernel.min(4096),
             gemm_kparts_max: self.gemm_kparts_max.clamp(1, crate::ops::gemm::GEMM_KPARTS_MAX),
-            gemm_splitk_fused: self.gemm_splitk_fused.min(1),
         }
     }
 }
@@ -127,13 +122,12 @@ mod tests {
             gemv_rows_max: 0,
             gdn_rows_kernel: 1 << 20,
             gemm_kparts_max: 0,
-            gemm_splitk_fused: 7,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
         assert_eq!(c.gdn_rows_kernel, 4096);
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);
-        assert_eq!((c.gemm_kparts_max, c.gemm_splitk_fused), (1, 1));
+        assert_eq!(c.gemm_kparts_max, 1);
         let many = Tuning { gemm_kparts_max: 1000, ..Tuning::default() }.clamped();
         assert_eq!(many.gemm_kparts_max, crate::ops::gemm::GEMM_KPARTS_MAX);
         assert_eq!(c.attn_prefill_splits, crate::ops::attention::MAX_SPLITS);

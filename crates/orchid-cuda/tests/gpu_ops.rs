@@ -126,13 +126,11 @@ fn gemm_parts(
 /// as `matmul_q4_and_bf16`), against the one-pass GEMM (only the summation order differs),
 /// bit-identical from run to run, through `matmul` (the rule's parts) and `matmul_add` (the
 /// reduction adds onto the residual). N = 1001 takes the one-output-per-thread reduction and a
-/// partial row block, N = 2048 and 520 the 4-output one. The reduction by each tile's last block
-/// (the default) gives the bits of the separate reduction kernel.
+/// partial row block, N = 2048 and 520 the 4-output one.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_split_k() {
     let g = gpu();
-    let sep = g.with_tuning(&orchid_cuda::Tuning { gemm_splitk_fused: 0, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(12);
     let shapes = [(2048usize, 2048usize), (4096, 520), (2048, 1001), (1024, 64)];
@@ -156,8 +154,6 @@ fn matmul_split_k() {
                     report(&format!("split-K {parts} parts strict {tag}"), rel_l2(&y, &strict), 1e-4);
                     report(&format!("split-K {parts} parts vs one pass {tag}"), rel_l2(&y, &one), 1e-5);
                     report_same(&format!("split-K {parts} parts run to run {tag}"), &y, &again);
-                    let s = gemm_parts(&sep, &gw, None, &xp, t, parts);
-                    report_same(&format!("split-K {parts} parts: last-block = separate reduction {tag}"), &y, &s);
                 }
                 // Through the backend: the rule's parts.
                 let gy = host(&g, &g.matmul(&gx, &gw).unwrap());
@@ -181,9 +177,6 @@ fn matmul_split_k() {
                 let y3 = gemm_parts(&g, &gw, None, &xp, t, 3);
                 let sum3: Vec<f32> = r.iter().zip(&y3).map(|(a, b)| a + b).collect();
                 report_same(&format!("split-K accumulate = residual + product {tag}"), &host(&g, &acc), &sum3);
-                let acc_sep = up(&g, t, n, &r);
-                gemm::gemm_split(&sep.ctx, &gw, None, &xp, t, acc_sep.ptr(), n, 3, true).unwrap();
-                report_same(&format!("split-K accumulate: last-block = separate reduction {tag}"), &host(&g, &acc), &host(&g, &acc_sep));
                 // One pass that adds in its store.
                 let acc1 = up(&g, t, n, &r);
                 gemm::gemm_split(&g.ctx, &gw, None, &xp, t, acc1.ptr(), n, 1, true).unwrap();
@@ -201,7 +194,6 @@ fn matmul_split_k() {
 #[ignore = "needs a CUDA GPU"]
 fn gemm_pair_split_k() {
     let g = gpu();
-    let sep = g.with_tuning(&orchid_cuda::Tuning { gemm_splitk_fused: 0, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(13);
     for &(k, n) in &[(2048usize, 512usize), (2048, 1001)] {
@@ -224,8 +216,6 @@ fn gemm_pair_split_k() {
                     report(&format!("pair split-K {parts} parts strict {tag}"), rel_l2(&y, &strict), 1e-4);
                     report(&format!("pair split-K {parts} parts vs one pass {tag}"), rel_l2(&y, &one), 1e-5);
                     report_same(&format!("pair split-K {parts} parts run to run {tag}"), &y, &again);
-                    let s = gemm_parts(&sep, &gg, Some(&gu), &xp, t, parts);
-                    report_same(&format!("pair split-K {parts} parts: last-block = separate reduction {tag}"), &y, &s);
                 }
             }
         }

@@ -37,14 +37,6 @@ crate::kernel_abi! {
         /// One pass (not PAIR): add the products onto `out` instead of storing them.
         acc: i32,
         pad1: i32,
-        /// Split-K reduced inside the GEMM (`out` is then the partial sums, see `SplitkArgs`):
-        /// the final output (0: a separate `gemm_splitk_reduce` does it) with its row stride,
-        /// whether the sums are added onto it, and one u32 arrival counter per output tile
-        /// (zero between launches: the tile's last block resets it).
-        fin: u64,
-        counters: u64,
-        fin_ldo: i32,
-        fin_acc: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct SplitkArgs {
@@ -65,9 +57,6 @@ crate::kernel_abi! {
 
 /// Most K parts of a split-K GEMM (the range of `Tuning::gemm_kparts_max`).
 pub const GEMM_KPARTS_MAX: usize = 16;
-/// Output tiles a split-K GEMM may have for its last blocks to reduce them (`Ctx::splitk_counters`
-/// holds one counter each); a GEMM of more tiles takes the separate reduction kernel.
-pub const SPLITK_TILES_MAX: usize = 4096;
 /// Fewest k-steps (of 128 columns) per K part: a part still fills the cp.async pipeline (S − 1 ≤
 /// 5 k-steps in flight) and streams ≥ 36 KB of Q4 weights per block, against a partial tile of
 /// at most 32 KB written and read back.
@@ -305,20 +294,11 @@ fn gemm_launch(
         t: t as i32,
         acc: (accumulate && kparts == 1) as i32,
         pad1: 0,
-        ..Default::default()
     };
     let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
-    // Split-K: the last block of each output tile adds the parts (one launch), unless the tiles
-    // outnumber the counters or the tuning asks for the separate reduction.
-    let fused = scratch.is_some() && c.tuning.gemm_splitk_fused > 0 && gx * gy <= SPLITK_TILES_MAX;
-    let a = if fused {
-        GemmArgs { fin: out, counters: c.splitk_counters.ptr, fin_ldo: ldo as i32, fin_acc: accumulate as i32, ..a }
-    } else {
-        a
-    };
     c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
-    let Some(part) = scratch.filter(|_| !fused) else { return Ok(()) };
+    let Some(part) = scratch else { return Ok(()) };
     let vec = w.rows.is_multiple_of(4) && ldo.is_multiple_of(4) && out.is_multiple_of(16);
     let r = SplitkArgs {
         part: part.ptr,
@@ -373,7 +353,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 136);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 112);
     }
 
     #[test]
