@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use orchid_model::Model;
+use orchid_model::backend::StateOptions;
 use orchid_model::error::{Error, Result};
 use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, LateInputs};
 
@@ -116,6 +117,15 @@ pub fn sample_params(s: &DeviceSampling) -> SampleParams {
 impl FastDecode<CudaBackend> for GraphFastDecode {
     fn name(&self) -> &str {
         "cuda graph"
+    }
+
+    /// The arena of the largest bucket's step, measured by capturing that step over a scratch
+    /// state of one slot (its graphs are dropped; the arena stays for every later capture).
+    fn reserve(&mut self, model: &Model<CudaBackend>, max_rows: usize) -> Result<usize> {
+        self.max_rows = self.max_rows.max(max_rows);
+        let mut scratch = model.new_state(StateOptions::new(1, crate::state::KV_BLOCK))?;
+        BatchGraph::new_in(model, &mut scratch, (bucket_for(self.max_rows), None), true, &mut self.arena)?;
+        Ok(self.arena.as_ref().map_or(0, |a| a.bytes))
     }
 
     /// The greedy graphs of the largest bucket (first: its arena serves every bucket) and of one

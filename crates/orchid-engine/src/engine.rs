@@ -375,6 +375,16 @@ where
                 None => None,
             };
             let max_context = opts2.max_context.min(model.config.max_position_embeddings);
+            // The fast decoder's workspace first, so that the state is sized from what is left.
+            let mut fast = fast;
+            let workspace = match fast.as_mut().map(|f| f.reserve(&model, opts2.max_seqs)) {
+                Some(Err(e)) => {
+                    tracing::warn!("fast decoding: no workspace set aside ({e})");
+                    0
+                }
+                Some(Ok(bytes)) => bytes,
+                None => 0,
+            };
             let state_opts = StateOptions {
                 max_seqs: opts2.max_seqs,
                 max_context,
@@ -405,9 +415,9 @@ where
                 None
             };
             if let Some(plan) = state.memory_plan() {
-                tracing::info!("memory plan: weights {:.2} GiB; {plan}", model.weight_bytes as f64 / 1073741824.0);
+                let gib = |b: usize| b as f64 / 1073741824.0;
+                tracing::info!("memory plan: weights {:.2} GiB; decode workspace {:.2} GiB; {plan}", gib(model.weight_bytes), gib(workspace));
             }
-            let mut fast = fast;
             if let Some(f) = fast.as_mut()
                 && let Err(e) = f.warm_up(&model, &mut state, opts2.max_seqs)
             {

@@ -135,6 +135,15 @@ pub trait FastDecode<B: Backend> {
     /// A short name for logs, e.g. "cuda graph".
     fn name(&self) -> &str;
 
+    /// Sets aside, before the engine sizes its state, the device memory its steps of up to
+    /// `max_rows` sequences will need (e.g. the decode graphs' workspace), so that the state is
+    /// sized from what is left; returns the bytes set aside. An error is logged and changes
+    /// nothing. The default sets nothing aside.
+    fn reserve(&mut self, model: &Model<B>, max_rows: usize) -> Result<usize> {
+        let _ = (model, max_rows);
+        Ok(0)
+    }
+
     /// Gets ready before the first request (e.g. captures the graphs for one sequence and for the
     /// largest batch the engine will form, `max_rows`), without changing any sequence's state.
     /// An error is logged and changes nothing: `prepare` and `prepare_batch` decide later.

@@ -83,6 +83,10 @@ pub struct BenchArgs {
     /// Stop starting new lengths after this many seconds (the rest are reported as not run).
     #[arg(long)]
     time_budget: Option<f64>,
+    /// Decode on a one-row graph that reads its state slot from device memory, instead of the
+    /// graph pinned to the slot that the engine runs a lone sequence on (an A/B of the two).
+    #[arg(long)]
+    unpinned: bool,
 }
 
 /// Token i of the synthetic prompt.
@@ -264,7 +268,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if !a.no_speed {
         let max_len = *lengths.iter().max().unwrap_or(&256).max(&(a.profile_context + a.profile_length));
         let mut state = m.new_state(StateOptions::new(1, max_len + a.decode + 64))?;
-        let mut graph = BatchGraph::new_pinned(&m, &mut state, 0, true)?;
+        let mut graph =
+            if a.unpinned { BatchGraph::new(&m, &mut state, 1, true)? } else { BatchGraph::new_pinned(&m, &mut state, 0, true)? };
         tracing::info!("decode graph: {} nodes per step", graph.nodes);
         report["decode_graph_nodes"] = json!(graph.nodes);
         report["decode_graph_pdl"] = json!(graph.pdl);
