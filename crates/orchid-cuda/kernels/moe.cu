@@ -115,7 +115,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs 
     }
 }
 
-// out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :].
+// out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :]; with
+// acc, out[t, :] plus that sum (the residual add of the MoE block, as add_assign would do it).
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs a) {
     pdl_enter();
     const int t = blockIdx.x;
@@ -126,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs 
         float acc = 0.f;
         for (int s = 0; s < a.topk; ++s) acc += w[s] * ((const float*)a.y)[(i64)sp[s] * a.H + h];
         if (a.shared) acc += gs * ((const float*)a.shared)[(i64)t * a.H + h];
-        ((float*)a.out)[(i64)t * a.H + h] = acc;
+        float* o = (float*)a.out + (i64)t * a.H + h;
+        *o = a.acc ? *o + acc : acc;
     }
 }

@@ -293,6 +293,13 @@ pub fn deltanet(
 }
 
 pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims) -> Result<CudaTensor> {
+    let out = b.tensor(x.rows, x.cols)?;
+    moe_into(b, x, w, dims, out.ptr(), false)?;
+    Ok(out)
+}
+
+/// `moe` of x written to `out` [t, H], or added onto it (`accumulate`: the residual).
+pub fn moe_into(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims, out: u64, accumulate: bool) -> Result<()> {
     let c = &b.ctx;
     let (t, h) = (x.rows, x.cols);
     let (e, k) = (dims.num_experts, dims.top_k);
@@ -302,10 +309,10 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
     if t <= c.tuning.moe_rows_max
         && let Some(md) = moe_rows_experts(w, dims)
     {
-        let out = b.tensor(t, h)?;
-        zero_words(c, out.ptr(), t * h)?;
-        moe_rows(b, x, None, w, dims, &md, out.ptr())?;
-        return Ok(out);
+        if !accumulate {
+            zero_words(c, out, t * h)?;
+        }
+        return moe_rows(b, x, None, w, dims, &md, out);
     }
     let gpu = b.gpu();
     let logits = b.tensor(t, e)?;
@@ -393,7 +400,6 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
         matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
         shared_out = Some((sh, sg));
     }
-    let out = b.tensor(t, h)?;
     mo::combine(
         c,
         &mo::CombineArgs {
@@ -402,14 +408,15 @@ pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &
             slot_pos: slot_pos.ptr,
             shared: shared_out.as_ref().map_or(0, |s| s.0.ptr()),
             shared_gate: shared_out.as_ref().map_or(0, |s| s.1.ptr()),
-            out: out.ptr(),
+            out,
             t: t as i32,
             h: h as i32,
             topk: k as i32,
             ld_sg: 1,
+            acc: accumulate as i32,
+            pad0: 0,
         },
-    )?;
-    Ok(out)
+    )
 }
 
 /// The MoE block of a few tokens through the per-token expert kernels of the decode path: router

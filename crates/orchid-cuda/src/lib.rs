@@ -265,13 +265,12 @@ impl Backend for CudaBackend {
             }
             return Ok(outs);
         }
-        let xn = self.rms_norm(x, norm, eps)?;
-        // x rounded to bf16 once for every GEMM of the same K.
-        let xp = ops::gemm::gemm_x(c, xn.ptr(), xn.cols, t, xn.cols)?;
+        // x normalised and rounded to bf16 in one pass, once for every GEMM (all of the same K).
+        let xp = ops::gemm::gemm_x_norm(c, x.ptr(), x.cols, t, x.cols, norm.buf.ptr, eps)?;
         ws.iter()
             .map(|w| {
                 let out = self.tensor(t, w.rows)?;
-                ops::gemm::matmul_x(c, w, xn.ptr(), xn.cols, &xp, t, out.ptr(), w.rows)?;
+                ops::gemm::gemm(c, w, None, &xp, 0, t, None, out.ptr(), w.rows)?;
                 Ok(out)
             })
             .collect()
@@ -301,9 +300,9 @@ impl Backend for CudaBackend {
             // Normalised on load, the experts' sum added to the residual in place.
             return layers::moe_rows(self, x, Some((norm.buf.ptr, eps)), w, dims, &md, x.ptr());
         }
+        // The experts' weighted sum is added onto the residual by the combine kernel.
         let xn = self.rms_norm(x, norm, eps)?;
-        let y = self.moe(&xn, w, dims)?;
-        self.add_assign(x, &y)
+        layers::moe_into(self, &xn, w, dims, x.ptr(), true)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {

@@ -188,6 +188,31 @@ fn matmul_split_k() {
     }
 }
 
+/// The GEMM path's normalising preparation (`gemm_x_norm`: a block's input projections) gives the
+/// bits of `rms_norm` followed by `gemm_x`: the bf16 rows and their group sums, with K not a
+/// multiple of 128 too (zero padding).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_x_norm_equals_norm_then_prep() {
+    let g = gpu();
+    let mut rng = Rng::new(21);
+    for &(t, k) in &[(16usize, 2048usize), (33, 520), (64, 4096), (5, 132)] {
+        let x = rng.vec(t * k, 3.0);
+        let gx = up(&g, t, k, &x);
+        let gw = g.upload_vector(&rng.vec(k, 1.0)).unwrap();
+        let fused = gemm::gemm_x_norm(&g.ctx, gx.ptr(), k, t, k, gw.buf.ptr, 1e-6).unwrap();
+        let xn = g.rms_norm(&gx, &gw, 1e-6).unwrap();
+        let plain = gemm::gemm_x(&g.ctx, xn.ptr(), k, t, k).unwrap();
+        let bytes = |xp: &gemm::GemmX| {
+            let mut v = vec![0u8; xp.buf.bytes];
+            xp.buf.download(0, &mut v).unwrap();
+            v
+        };
+        let same = fused.buf.bytes == plain.buf.bytes && bytes(&fused) == bytes(&plain);
+        report(&format!("gemm_x_norm = rms_norm + gemm_x T={t} K={k}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
+    }
+}
+
 /// The gate/up pair (silu(gate) · up, the shared expert's GEMM) split along K: against the CPU
 /// and the one-pass pair, bit-identical from run to run.
 #[test]

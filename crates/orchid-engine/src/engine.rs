@@ -416,7 +416,11 @@ where
             };
             if let Some(plan) = state.memory_plan() {
                 let gib = |b: usize| b as f64 / 1073741824.0;
-                tracing::info!("memory plan: weights {:.2} GiB; decode workspace {:.2} GiB; {plan}", gib(model.weight_bytes), gib(workspace));
+                tracing::info!(
+                    "memory plan: weights {:.2} GiB; decode workspace {:.2} GiB; {plan}",
+                    gib(model.weight_bytes),
+                    gib(workspace)
+                );
             }
             if let Some(f) = fast.as_mut()
                 && let Err(e) = f.warm_up(&model, &mut state, opts2.max_seqs)

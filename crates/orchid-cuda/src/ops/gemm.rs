@@ -187,6 +187,23 @@ pub fn gemm_x(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize) -> Result<Gemm
     Ok(xp)
 }
 
+/// `gemm_x` of rms_norm(x) · `norm` (eps `eps`) in one pass, without the normalised f32 rows:
+/// the same values as `rms_norm` followed by `gemm_x`.
+pub fn gemm_x_norm(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize, norm: u64, eps: f32) -> Result<GemmX> {
+    if !k.is_multiple_of(4) || !ldx.is_multiple_of(4) || ldx < k {
+        return Err(Error::Op { op: "gemm", msg: format!("K {k} and the row stride {ldx} must be multiples of 4 (stride ≥ K)") });
+    }
+    let kpad = crate::weights::round_up(k.max(1), crate::weights::K_PAD);
+    let buf = DevBuf::alloc(&c.gpu, rows * kpad * 2 + rows * (kpad / 64) * 4)?;
+    let xp = GemmX { buf, rows, k, kpad };
+    if rows > 0 {
+        let (xb, xs) = (xp.xb(), xp.xs());
+        let (ldx32, k32, kpad32) = (ldx as i32, k as i32, kpad as i32);
+        c.k("gemm_xprep_norm").launch_raw(&c.gpu, (rows as u32, 1, 1), 256, 0, params!(x, norm, xb, xs, ldx32, k32, kpad32, eps))?;
+    }
+    Ok(xp)
+}
+
 /// out[n, r] = Σ_k x[rows(n), k] W[r, k] (PAIR: silu(gate) ⊙ up) for many tokens; `x` prepared
 /// by `gemm_x` (row n reads prepared row x_rows[n], or n when x_rows is 0). A dense GEMM is split
 /// along K as `dense_kparts` says.

@@ -57,6 +57,9 @@ crate::kernel_abi! {
         h: i32 => "H",
         topk: i32,
         ld_sg: i32,
+        /// Add the sum onto `out` (the residual) instead of storing it.
+        acc: i32,
+        pad0: i32,
     }
 }
 
@@ -90,6 +93,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::TopkArgs>(), 64);
         assert_eq!(std::mem::size_of::<super::ScanArgs>(), 56);
         assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 48);
+        assert_eq!(std::mem::size_of::<super::CombineArgs>(), 72);
         assert_eq!(std::mem::size_of::<super::CombineArgs>(), 64);
     }
 }
