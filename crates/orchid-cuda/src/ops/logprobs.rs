@@ -76,6 +76,68 @@ pub fn parse_row(w: &[u32]) -> (u32, Option<TokenLogprob>) {
 mod tests {
     use super::*;
 
+    /// The kernels' rank of (logit, id) (`lp_rank`: the order-preserving key above the id's
+    /// complement) and its inverse (`lp_rank_id`, `lp_rank_value`).
+    fn rank(x: f32, id: u32) -> u64 {
+        let u = x.to_bits();
+        let key = if u & 0x8000_0000 != 0 { !u } else { u | 0x8000_0000 };
+        ((key as u64) << 32) | (u32::MAX - id) as u64
+    }
+    fn rank_value(r: u64) -> f32 {
+        let k = (r >> 32) as u32;
+        f32::from_bits(if k & 0x8000_0000 != 0 { k & 0x7fff_ffff } else { !k })
+    }
+
+    /// The k largest ranks of `ranks`, best first, by the kernels' rounds of "the largest rank
+    /// below the last one picked".
+    fn top_by_rounds(ranks: &[u64], k: usize) -> Vec<u64> {
+        let mut out: Vec<u64> = Vec::new();
+        for _ in 0..k {
+            let limit = out.last().copied().unwrap_or(u64::MAX);
+            match ranks.iter().copied().filter(|&r| r < limit).max() {
+                Some(r) => out.push(r),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// The two passes' top lists (per vocabulary slice, then merged) give the host reference's
+    /// ids and logits (logit descending, ties to the lower id), signed zeros and repeats included.
+    #[test]
+    fn sliced_top_lists_match_the_host_order() {
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for case in 0..100 {
+            let valid = 1 + next(3000) as usize;
+            let logits: Vec<f32> = (0..valid)
+                .map(|_| match next(4) {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => (next(200) as f32 - 100.0) / 8.0,
+                })
+                .collect();
+            let k = next(LOGPROB_TOP as u64 + 1) as usize;
+            let per = valid.div_ceil(LOGPROB_BLOCKS);
+            let mut candidates = Vec::new();
+            for b in 0..LOGPROB_BLOCKS {
+                let (lo, hi) = ((b * per).min(valid), ((b + 1) * per).min(valid));
+                let slice: Vec<u64> = (lo..hi).map(|i| rank(logits[i], i as u32)).collect();
+                candidates.extend(top_by_rounds(&slice, k));
+            }
+            let got: Vec<(u32, f32)> = top_by_rounds(&candidates, k).into_iter().map(|r| (u32::MAX - r as u32, rank_value(r))).collect();
+            let want = orchid_engine::sampling::logprobs(&logits, valid, 0, k);
+            let want: Vec<(u32, f32)> = want.top.iter().map(|&(id, _)| (id, logits[id as usize])).collect();
+            let bits = |v: &[(u32, f32)]| v.iter().map(|&(i, x)| (i, x.to_bits())).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "case {case}");
+        }
+    }
+
     #[test]
     fn sizes_and_rows() {
         assert_eq!(std::mem::size_of::<LogprobArgs>(), 72);
