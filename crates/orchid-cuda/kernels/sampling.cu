@@ -272,6 +272,8 @@ extern "C" __global__ void __launch_bounds__(SB) sample_general_rows(const Sampl
 // frequency). The neutral values (-0, 1, +0) leave a logit bit for bit as it is; the rounded
 // intrinsics keep every operation one IEEE operation (no contraction, no fast division), so the
 // result is the host's (orchid_model::apply_logit_adjust). Tokens ≥ the row's valid are skipped.
+// With `saved`, entry j's logit before its adjustment is kept in saved[j] (for the log-probability
+// of the raw logits, `logprob_finish_rows`).
 extern "C" __global__ void __launch_bounds__(256) logit_adjust_rows(const AdjustArgs a) {
     pdl_enter();
     const int r = blockIdx.x;
@@ -285,6 +287,7 @@ extern "C" __global__ void __launch_bounds__(256) logit_adjust_rows(const Adjust
     for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         const AdjustEntry x = e[j];
         if (x.token < 0 || x.token >= valid) continue;
+        if (a.saved) ((float*)a.saved)[j] = l[x.token];
         float v = __fadd_rn(l[x.token], x.bias);
         v = v > 0.f ? __fdiv_rn(v, x.repetition) : __fmul_rn(v, x.repetition);
         l[x.token] = __fsub_rn(v, x.subtract);

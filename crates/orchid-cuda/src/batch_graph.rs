@@ -4,6 +4,10 @@
 //! mask, after the row's penalties and logit bias (a sparse per-token list, `logit_adjust`). The
 //! host launches the forward graph, gets the masks and lists meanwhile (the engine computes them
 //! on the CPU while the GPU runs the forward pass), uploads them, and launches the sampling graph.
+//! A step in which a row asks for log-probabilities launches a second capture of the sampling
+//! instead, with the logprob kernels around it (`ops::logprobs`: the raw logits' log-sum-exp and
+//! top tokens before the adjustments, the sampled token's log-probability after the sampler), and
+//! reads every row's token with the log-probabilities in one download.
 //!
 //! The graphs read their inputs from device buffers (`DeviceBatch`: token ids, state slots,
 //! positions, plus each row's step counter, sampling parameters and mask), so one capture per
@@ -24,13 +28,13 @@ use std::sync::Arc;
 use orchid_model::Model;
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
 use orchid_model::error::{Error, Result};
-use orchid_model::fast_decode::{LateInputs, TokenMasks};
+use orchid_model::fast_decode::{LateInputs, Sampled, TokenMasks};
 
 use crate::CudaBackend;
 use crate::decode_rows::DeviceBatch;
 use crate::driver::{Arena, DevBuf, Graph};
 use crate::logit_adjust::AdjustTable;
-use crate::ops::{Ctx, sampling as sp};
+use crate::ops::{Ctx, logprobs as lp, sampling as sp};
 use crate::state::CudaState;
 
 /// One running sequence's decode step (its token mask comes later, see `BatchGraph::step`).
@@ -55,6 +59,9 @@ pub struct BatchGraph {
     forward: Graph,
     /// ... where the sampling of every row reads them.
     sample: Graph,
+    /// The same sampling with the rows' log-probabilities around it, for steps in which a row
+    /// asks for them (`SampleParams::logprobs`).
+    sample_logprobs: Graph,
     /// Both in one graph, the sampler chained to the forward pass, for steps without masks (a
     /// lone sequence's: `step_unmasked`); its temporaries are carved from the same arena, at the
     /// same places (the two kinds of step never run at once). None in a profiled graph.
@@ -76,9 +83,13 @@ pub struct BatchGraph {
     words: usize,
     /// The rows' logit adjustments (read by the sampling graph, before its sampler).
     adjust: AdjustTable,
+    /// u32 [bucket, LOGPROB_ROW_WORDS]: what `sample_logprobs` leaves, every row's token and the
+    /// log-probabilities of the rows that asked.
+    lp_out: DevBuf,
     /// Sampling scratch (kept for the graph's lifetime).
     _partial: DevBuf,
     _counters: DevBuf,
+    _lp_partial: DevBuf,
     host_params: Vec<sp::SampleParams>,
     /// Staging of the masked rows' words for their one upload.
     host_masks: Vec<u32>,
@@ -164,6 +175,8 @@ impl BatchGraph {
         let adjust = AdjustTable::new(&gpu, bucket)?;
         let partial = DevBuf::zeros(&gpu, bucket * sp::ARGMAX_BLOCKS * 8)?;
         let counters = i32s(bucket)?;
+        let lp_partial = DevBuf::zeros(&gpu, bucket * lp::LOGPROB_BLOCKS * lp::LOGPROB_PARTIAL_BYTES)?;
+        let lp_out = DevBuf::zeros(&gpu, bucket * lp::LOGPROB_ROW_WORDS * 4)?;
         // Padding everywhere until the first step says otherwise.
         inputs.upload(bucket * 4, bytemuck::cast_slice(&vec![-1i32; bucket]))?;
         // Everything the capture needs must exist before it starts.
@@ -187,9 +200,28 @@ impl BatchGraph {
             vocab: v as i32,
             nblocks: sp::ARGMAX_BLOCKS as i32,
         };
-        let adjust_args =
-            sp::AdjustArgs { logits: 0, offsets: adjust.offsets(), entries: adjust.entries(), params: params.ptr, vocab: v as i32, pad: 0 };
-        let shape = StepShape { ids: &ids, layout: &layout, sample, adjust: adjust_args, greedy };
+        let adjust_args = sp::AdjustArgs {
+            logits: 0,
+            offsets: adjust.offsets(),
+            entries: adjust.entries(),
+            params: params.ptr,
+            saved: 0,
+            vocab: v as i32,
+            pad: 0,
+        };
+        let logprob_args = lp::LogprobArgs {
+            logits: 0,
+            params: params.ptr,
+            partial: lp_partial.ptr,
+            tokens: at(0),
+            offsets: adjust.offsets(),
+            entries: adjust.entries(),
+            saved: adjust.saved(),
+            out: lp_out.ptr,
+            vocab: v as i32,
+            pad: 0,
+        };
+        let shape = StepShape { ids: &ids, layout: &layout, sample, adjust: adjust_args, logprobs: logprob_args, greedy };
         // First captures with ordinary allocations, to measure them; then the real ones with
         // every temporary of both graphs in one arena, the forward pass chained by programmatic
         // dependent launch where every kernel of the walk allows it (falling back to plain
@@ -242,6 +274,8 @@ impl BatchGraph {
         };
         b.set_device_batch(None);
         let (forward, sample, logits) = graphs?;
+        // Launches only (its buffers are the graph's own), so outside the arena and the profile.
+        let sample_logprobs = Graph::capture(&gpu, || shape.sample(model, logits, true, true))?;
         let nodes = whole.as_ref().map_or(forward.num_nodes() + sample.num_nodes(), Graph::num_nodes);
         tracing::debug!("batch decode graph: {bucket} rows, {nodes} nodes, greedy {greedy}, pdl {pdl}");
         Ok(BatchGraph {
@@ -251,6 +285,7 @@ impl BatchGraph {
             pinned,
             forward,
             sample,
+            sample_logprobs,
             whole,
             inputs,
             continued: None,
@@ -260,8 +295,10 @@ impl BatchGraph {
             masks,
             words,
             adjust,
+            lp_out,
             _partial: partial,
             _counters: counters,
+            _lp_partial: lp_partial,
             host_params,
             host_masks: Vec::new(),
             nodes,
@@ -272,15 +309,15 @@ impl BatchGraph {
     }
 
     /// `step` of rows none of which has a token mask or logit adjustments: one graph launch
-    /// (where captured).
+    /// (where captured, and when no row asks for log-probabilities).
     pub fn step_unmasked(&mut self, state: &mut CudaState, rows: &[BatchRow]) -> Result<Vec<u32>> {
-        if self.whole.is_none() {
+        if self.whole.is_none() || rows.iter().any(|r| r.params.logprobs > 0) {
             return self.step(state, rows, &mut || vec![None; rows.len()]);
         }
         self.begin(state, rows)?;
         self.set_params(rows, &vec![None; rows.len()])?;
         self.whole.as_ref().expect("checked above").launch(&self.ctx.gpu)?;
-        self.finish(rows)
+        Ok(self.finish(rows, false)?.into_iter().map(|s| s.token).collect())
     }
 
     /// Runs one decode step of `rows` (at most `bucket`, distinct slots) and returns the sampled
@@ -289,15 +326,19 @@ impl BatchGraph {
     /// work overlaps the GPU's), and the rows' masks (one entry per row, see `TokenMasks`) and
     /// changed parameters are copied before the sampling graph's.
     pub fn step(&mut self, state: &mut CudaState, rows: &[BatchRow], masks: &mut dyn FnMut() -> TokenMasks) -> Result<Vec<u32>> {
-        self.step_late(state, rows, &mut || masks().into())
+        Ok(self.step_late(state, rows, &mut || masks().into())?.into_iter().map(|s| s.token).collect())
     }
 
-    /// `step` with the rows' logit adjustments: `late` is called where `step` calls `masks`, and
-    /// each row's list (see `LateInputs`; at most `logit_adjust::ROW_CAP` entries) is copied with
-    /// the masks and applied to the row's logits before its mask and sampler.
-    pub fn step_late(&mut self, state: &mut CudaState, rows: &[BatchRow], late: &mut dyn FnMut() -> LateInputs) -> Result<Vec<u32>> {
+    /// `step` with the rows' logit adjustments and log-probabilities: `late` is called where
+    /// `step` calls `masks`, and each row's list (see `LateInputs`; at most
+    /// `logit_adjust::ROW_CAP` entries) is copied with the masks and applied to the row's logits
+    /// before its mask and sampler. A row whose parameters ask for log-probabilities
+    /// (`SampleParams::with_logprobs`, at most `LOGPROB_TOP` top tokens) gets those of its raw
+    /// logits (before its list and mask) with its token.
+    pub fn step_late(&mut self, state: &mut CudaState, rows: &[BatchRow], late: &mut dyn FnMut() -> LateInputs) -> Result<Vec<Sampled>> {
         let n = rows.len();
         self.begin(state, rows)?;
+        let logprobs = rows.iter().any(|r| r.params.logprobs > 0);
         self.forward.launch(&self.ctx.gpu)?;
         let LateInputs { masks, adjust } = late();
         if !adjust.is_empty() && adjust.len() != n {
@@ -326,8 +367,9 @@ impl BatchGraph {
             self.masks.upload(lo * w * 4, bytemuck::cast_slice(&self.host_masks))?;
         }
         self.adjust.upload(&adjust)?;
-        self.sample.launch(&self.ctx.gpu)?;
-        self.finish(rows)
+        let sample = if logprobs { &self.sample_logprobs } else { &self.sample };
+        sample.launch(&self.ctx.gpu)?;
+        self.finish(rows, logprobs)
     }
 
     /// Checks the rows, extends their KV blocks, uploads the inputs unless the step continues
@@ -339,6 +381,9 @@ impl BatchGraph {
         }
         if let Some(slot) = self.pinned.filter(|&s| s != rows[0].slot) {
             return Err(Error::Op { op: "batch decode", msg: format!("slot {} in a graph pinned to slot {slot}", rows[0].slot) });
+        }
+        if let Some(top) = rows.iter().filter_map(|r| r.params.logprobs_top()).find(|&t| t > lp::LOGPROB_TOP) {
+            return Err(Error::Op { op: "batch decode", msg: format!("{top} top log-probabilities, at most {}", lp::LOGPROB_TOP) });
         }
         self.ctx.gpu.bind()?;
         for r in rows {
@@ -371,7 +416,8 @@ impl BatchGraph {
         Ok(())
     }
 
-    /// Uploads the rows' sampling parameters where they changed (`masked` from `masks`).
+    /// Uploads the rows' sampling parameters where they changed (`masked` from `masks`); the
+    /// padding rows ask for no log-probabilities.
     fn set_params(&mut self, rows: &[BatchRow], masks: &TokenMasks) -> Result<()> {
         let mut changed = false;
         for (i, r) in rows.iter().enumerate() {
@@ -381,20 +427,38 @@ impl BatchGraph {
                 changed = true;
             }
         }
+        for p in &mut self.host_params[rows.len()..] {
+            if p.logprobs != 0 {
+                p.logprobs = 0;
+                changed = true;
+            }
+        }
         if changed {
             self.params.upload(0, bytemuck::cast_slice(&self.host_params))?;
         }
         Ok(())
     }
 
-    /// Reads the sampled tokens and notes what the device inputs now hold.
-    fn finish(&mut self, rows: &[BatchRow]) -> Result<Vec<u32>> {
+    /// Reads the sampled tokens (with the log-probabilities, from `lp_out`, after a step that
+    /// computed them) and notes what the device inputs now hold.
+    fn finish(&mut self, rows: &[BatchRow], logprobs: bool) -> Result<Vec<Sampled>> {
         let n = rows.len();
-        let mut out = vec![0i32; n];
-        self.inputs.download(0, bytemuck::cast_slice_mut(&mut out))?;
-        let out: Vec<u32> = out.into_iter().map(|t| t as u32).collect();
+        let out: Vec<Sampled> = if logprobs {
+            let mut w = vec![0u32; n * lp::LOGPROB_ROW_WORDS];
+            self.lp_out.download(0, bytemuck::cast_slice_mut(&mut w))?;
+            w.chunks(lp::LOGPROB_ROW_WORDS)
+                .map(|row| {
+                    let (token, logprob) = lp::parse_row(row);
+                    Sampled { token, logprob }
+                })
+                .collect()
+        } else {
+            let mut t = vec![0i32; n];
+            self.inputs.download(0, bytemuck::cast_slice_mut(&mut t))?;
+            t.into_iter().map(|t| Sampled::token(t as u32)).collect()
+        };
         self.continued =
-            Some(rows.iter().zip(&out).map(|(r, &token)| BatchRow { token, pos: r.pos + 1, index: r.index + 1, ..*r }).collect());
+            Some(rows.iter().zip(&out).map(|(r, s)| BatchRow { token: s.token, pos: r.pos + 1, index: r.index + 1, ..*r }).collect());
         Ok(out)
     }
 
@@ -407,12 +471,14 @@ impl BatchGraph {
 }
 
 /// What a capture of the step records: the rows' (placeholder) token ids and single-token layout,
-/// the sampling and logit-adjustment arguments of row 0 (but for the logits), and the sampler.
+/// the sampling, logit-adjustment and log-probability arguments of row 0 (but for the logits),
+/// and the sampler.
 struct StepShape<'a> {
     ids: &'a [u32],
     layout: &'a BatchLayout,
     sample: sp::SampleArgs,
     adjust: sp::AdjustArgs,
+    logprobs: lp::LogprobArgs,
     greedy: bool,
 }
 
@@ -422,13 +488,25 @@ impl StepShape<'_> {
         Ok(model.forward(self.ids, self.layout, state, LogitRows::LastOfEachSpan)?.ptr())
     }
 
-    /// The sampling of every row from `logits`, after the rows' logit adjustments if `adjust`.
-    fn sample(&self, model: &Model<CudaBackend>, logits: u64, adjust: bool) -> Result<()> {
+    /// The sampling of every row from `logits`, after the rows' logit adjustments if `adjust`;
+    /// with `logprobs`, the rows' log-probabilities around it: the first pass over the raw logits
+    /// before the adjustments (which then keep the values they replace), the second after the
+    /// sampler.
+    fn sample(&self, model: &Model<CudaBackend>, logits: u64, adjust: bool, logprobs: bool) -> Result<()> {
         let (ctx, rows) = (&model.backend.ctx, self.layout.spans.len());
-        if adjust {
-            sp::adjust_rows(ctx, &sp::AdjustArgs { logits, ..self.adjust }, rows)?;
+        let lp_args = lp::LogprobArgs { logits, ..self.logprobs };
+        if logprobs {
+            lp::partials(ctx, &lp_args, rows)?;
         }
-        sp::rows(ctx, &sp::SampleArgs { logits, ..self.sample }, rows, self.greedy)
+        if adjust {
+            let saved = if logprobs { self.logprobs.saved } else { 0 };
+            sp::adjust_rows(ctx, &sp::AdjustArgs { logits, saved, ..self.adjust }, rows)?;
+        }
+        sp::rows(ctx, &sp::SampleArgs { logits, ..self.sample }, rows, self.greedy)?;
+        if logprobs {
+            lp::finish(ctx, &lp_args, rows)?;
+        }
+        Ok(())
     }
 
     /// The step's two graphs (inside the caller's arena): the forward pass, then the sampling
@@ -444,7 +522,7 @@ impl StepShape<'_> {
         });
         crate::driver::set_pdl(false);
         let forward = forward?;
-        let sample = Graph::capture(gpu, || self.sample(model, logits, true))?;
+        let sample = Graph::capture(gpu, || self.sample(model, logits, true, false))?;
         Ok((forward, sample, logits))
     }
 
@@ -454,7 +532,7 @@ impl StepShape<'_> {
         crate::driver::set_pdl(pdl);
         let g = Graph::capture(&model.backend.ctx.gpu, || {
             let logits = self.forward(model, state)?;
-            self.sample(model, logits, false)
+            self.sample(model, logits, false, false)
         });
         crate::driver::set_pdl(false);
         g

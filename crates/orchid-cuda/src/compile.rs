@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use cudarc::nvrtc::sys as nv;
 use orchid_model::error::{Error, Result};
 
-use crate::ops::{attention, deltanet, gemm, gemv, moe, moe_decode, sampling};
+use crate::ops::{attention, deltanet, gemm, gemv, logprobs, moe, moe_decode, sampling};
 use crate::options::CudaOptions;
 use crate::weights::format_abi;
 
@@ -142,6 +142,13 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         headers: &[],
         source: include_str!("../kernels/sampling.cu"),
         kernels: &["sample_argmax", "sample_general", "sample_argmax_rows", "sample_general_rows", "logit_adjust_rows"],
+    },
+    KernelFile {
+        name: "logprobs",
+        abi: &[sampling::sampling_abi, logprobs::logprobs_abi],
+        headers: &[],
+        source: include_str!("../kernels/logprobs.cu"),
+        kernels: &["logprob_partials_rows", "logprob_finish_rows"],
     },
 ];
 

@@ -21,7 +21,9 @@
 //! graph asks for once its forward pass runs (`masks`). Penalties and logit bias go the same
 //! way: a step with a logit adjustment list (at most `logit_adjust::ROW_CAP` entries,
 //! `logit_adjust_cap`) runs through `step_batch`, whose sampling graph applies the list to the
-//! row's logits before its sampler.
+//! row's logits before its sampler. So does a step that asks for log-probabilities (up to
+//! `LOGPROB_TOP` top tokens, `logprobs_cap`): its sampling graph computes them from the raw logits
+//! (`ops::logprobs`), and the lone-sequence step without them keeps its one graph launch.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,11 +31,12 @@ use std::sync::Arc;
 use orchid_model::Model;
 use orchid_model::backend::StateOptions;
 use orchid_model::error::{Error, Result};
-use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, LateInputs};
+use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, LateInputs, Sampled};
 
 use crate::CudaBackend;
 use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
 use crate::driver::DevBuf;
+use crate::ops::logprobs::LOGPROB_TOP;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
 
@@ -93,7 +96,7 @@ fn batch_key(steps: &[DecodeStep]) -> GraphKey {
 
 /// The graph row of an engine step.
 fn batch_row(s: &DecodeStep) -> BatchRow {
-    BatchRow { slot: s.slot, token: s.token, pos: s.pos, index: s.index, params: sample_params(&s.sampling) }
+    BatchRow { slot: s.slot, token: s.token, pos: s.pos, index: s.index, params: sample_params(&s.sampling).with_logprobs(s.logprobs) }
 }
 
 /// The device sampler's parameters for `s` (greedy ones are normalised, so that requests that
@@ -110,7 +113,7 @@ pub fn sample_params(s: &DeviceSampling) -> SampleParams {
         top_k: s.top_k.min(i32::MAX as usize) as i32,
         seed: s.seed,
         valid,
-        masked: 0,
+        ..Default::default()
     }
 }
 
@@ -140,13 +143,14 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     }
 
     fn prepare(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, sampling: &DeviceSampling) -> Result<()> {
-        self.prepare_batch(model, state, &[DecodeStep { slot, token: 0, pos: 0, index: 0, sampling: *sampling, adjust: 0 }])
+        self.prepare_batch(model, state, &[DecodeStep { slot, token: 0, pos: 0, index: 0, sampling: *sampling, adjust: 0, logprobs: None }])
     }
 
     /// A lone sequence without a grammar: the bucket-1 graph's one-launch step.
-    fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<u32> {
-        if step.adjust > 0 {
-            return Err(Error::Op { op: "decode", msg: "a single-sequence step takes no logit adjustments (step_batch does)".into() });
+    fn step(&mut self, _model: &Model<CudaBackend>, state: &mut CudaState, step: &DecodeStep) -> Result<Sampled> {
+        if step.adjust > 0 || step.logprobs.is_some() {
+            let msg = "a single-sequence step takes no logit adjustments or log-probabilities (step_batch does)".into();
+            return Err(Error::Op { op: "decode", msg });
         }
         let steps = std::slice::from_ref(step);
         let row = batch_row(step);
@@ -154,7 +158,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
             .batches
             .get_mut(&batch_key(steps))
             .ok_or_else(|| Error::Op { op: "decode", msg: "no decode graph for one row (prepare first)".into() })?;
-        Ok(graph.step_unmasked(state, &[row])?[0])
+        Ok(Sampled::token(graph.step_unmasked(state, &[row])?[0]))
     }
 
     /// The batch graphs read a token mask per row.
@@ -165,6 +169,11 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
     /// The batch graphs' adjustment table holds `ROW_CAP` entries per row.
     fn logit_adjust_cap(&self) -> usize {
         crate::logit_adjust::ROW_CAP
+    }
+
+    /// The batch graphs' logprob kernels keep `LOGPROB_TOP` top tokens per row.
+    fn logprobs_cap(&self) -> Option<usize> {
+        Some(LOGPROB_TOP)
     }
 
     fn prepare_batch(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, steps: &[DecodeStep]) -> Result<()> {
@@ -182,7 +191,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
         state: &mut CudaState,
         steps: &[DecodeStep],
         late: &mut dyn FnMut() -> LateInputs,
-    ) -> Result<Vec<u32>> {
+    ) -> Result<Vec<Sampled>> {
         let rows: Vec<BatchRow> = steps.iter().map(batch_row).collect();
         let key = batch_key(steps);
         let graph = self

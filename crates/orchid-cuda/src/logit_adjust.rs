@@ -4,7 +4,9 @@
 //!
 //! One device buffer per batch graph, allocated at capture (the graph reads it through fixed
 //! pointers): i32 offsets [bucket + 1] (row r's entries are entries[offsets[r] .. offsets[r + 1]]),
-//! padded to 16 bytes, then room for [`ROW_CAP`] entries per row. The host packs the step's lists
+//! padded to 16 bytes, then room for [`ROW_CAP`] entries per row, then as many f32 where the
+//! kernel may keep each entry's logit before its adjustment (`saved`: the sampling graph of a step
+//! with log-probabilities needs the raw logit of its sampled token). The host packs the step's lists
 //! back to back (CSR) and copies header and entries in one upload; a step in which no row has a
 //! list uploads nothing (one copy of an all-zero header when the previous step had lists), and a
 //! row with an empty list costs its offset only.
@@ -75,7 +77,7 @@ pub struct AdjustTable {
 impl AdjustTable {
     /// A table of `bucket` rows, every list empty.
     pub fn new(gpu: &Arc<Gpu>, bucket: usize) -> Result<AdjustTable> {
-        let buf = DevBuf::zeros(gpu, header_bytes(bucket) + bucket * ROW_CAP * std::mem::size_of::<AdjustEntry>())?;
+        let buf = DevBuf::zeros(gpu, header_bytes(bucket) + bucket * ROW_CAP * (std::mem::size_of::<AdjustEntry>() + 4))?;
         Ok(AdjustTable { buf, bucket, dirty: false })
     }
 
@@ -87,6 +89,12 @@ impl AdjustTable {
     /// The device entries.
     pub fn entries(&self) -> u64 {
         self.buf.ptr + header_bytes(self.bucket) as u64
+    }
+
+    /// The device room for the entries' logits before their adjustment (f32 per entry, in entry
+    /// order).
+    pub fn saved(&self) -> u64 {
+        self.entries() + (self.bucket * ROW_CAP * std::mem::size_of::<AdjustEntry>()) as u64
     }
 
     /// Copies the step's lists (one per row, or none at all when `lists` is empty) into the table,

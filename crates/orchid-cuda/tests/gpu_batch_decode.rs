@@ -10,14 +10,19 @@
 //! penalties and logit biases on some rows (the engine's host sampler packs each row's list,
 //! `Sampler::device_adjust`): greedy rows pick the argmax of the host-adjusted logits
 //! (`Sampler::adjusted_logits`), sampled rows are reproducible and obey their biases, and the rows
-//! without adjustments are unchanged. Skipped without a GPU.
+//! without adjustments are unchanged; (6) with log-probabilities on some rows (top_logprobs 0, 5,
+//! 20; with and without adjustments; greedy and sampled graphs): against the host reference
+//! (`orchid_engine::sampling::logprobs`) of the raw logits, which a twin graph on an identical
+//! state gives (the same inputs without adjustments: its logits are the step's before the
+//! adjustments change them in place); every token is the one a run without log-probabilities
+//! samples, and two runs give the same bits. Skipped without a GPU.
 
 mod common;
 
 use common::*;
 use orchid_cpu::CpuBackend;
 use orchid_cuda::{BatchGraph, BatchRow, CudaBackend, SampleParams};
-use orchid_engine::sampling::{Sampler, SamplingParams};
+use orchid_engine::sampling::{Sampler, SamplingParams, TokenLogprob, logprobs};
 use orchid_model::LateInputs;
 use orchid_model::Model;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
@@ -347,7 +352,7 @@ fn graph_decode_adjusted(
         let rows = step_rows(&slots, &out, prompts, params, n, k);
         let late = LateInputs { masks: vec![None; n], adjust: hs.iter().map(|s| s.device_adjust(valid)).collect() };
         let got = g.step_late(&mut st, &rows, &mut || late.clone()).unwrap();
-        for (i, t) in got.into_iter().enumerate() {
+        for (i, t) in got.into_iter().map(|s| s.token).enumerate() {
             assert!((t as usize) < valid, "row {i} step {k}: token {t} past the valid ones");
             hs[i].observe(t);
             out[i].push(t);
@@ -416,7 +421,10 @@ fn batch_graph_penalties() {
                 asked += 1;
                 LateInputs { masks: vec![None; n], adjust: lists.clone() }
             })
-            .unwrap();
+            .unwrap()
+            .into_iter()
+            .map(|s| s.token)
+            .collect::<Vec<u32>>();
         assert_eq!(asked, 1, "the late inputs are asked for once a step");
         for i in 0..n {
             let row = &l[i * v..(i + 1) * v];
@@ -494,5 +502,158 @@ fn batch_graph_penalties() {
         distinct(&a[2]),
         distinct(&free[2])
     );
+    assert!(ok);
+}
+
+/// One run of (6): every row decoded `steps` steps on a batch graph with its logit adjustments
+/// (packed by its host sampler, as in (5)) and its log-probabilities (`params`), while a twin
+/// graph on a second, identical state runs the same inputs without adjustments or
+/// log-probabilities and keeps each step's raw logits.
+struct LogprobRun {
+    /// Per row: the prefill's token, then one per step.
+    tokens: Vec<Vec<u32>>,
+    /// Per step, per row.
+    logprobs: Vec<Vec<Option<TokenLogprob>>>,
+    /// Per step: the raw logits [rows, vocab].
+    raw: Vec<Vec<f32>>,
+    /// Whether the rows without adjustments had the same logits, bit for bit, in both graphs
+    /// (the twin's forward pass is the graph's).
+    twin_same: bool,
+}
+
+fn graph_decode_logprobs(
+    m: &Model<CudaBackend>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    params: &[SampleParams],
+    make: &dyn Fn(&[u32]) -> Vec<Sampler>,
+    valid: usize,
+) -> LogprobRun {
+    let (n, v) = (prompts.len(), m.config.vocab_size);
+    let opts = StateOptions::new(n + 1, 320);
+    let (mut st, mut twin_st) = (m.new_state(opts).unwrap(), m.new_state(opts).unwrap());
+    let (slots, first) = prefill(m, &mut st, prompts);
+    let (twin_slots, _) = prefill(m, &mut twin_st, prompts);
+    let mut hs = make(&first);
+    let mut run = LogprobRun { tokens: first.iter().map(|&t| vec![t]).collect(), logprobs: Vec::new(), raw: Vec::new(), twin_same: true };
+    let bucket = orchid_cuda::batch_graph::bucket_for(n);
+    let mut g = BatchGraph::new(m, &mut st, bucket, params.iter().all(|p| p.is_greedy())).unwrap();
+    let mut twin = BatchGraph::new(m, &mut twin_st, bucket, true).unwrap();
+    for k in 0..steps {
+        let rows = step_rows(&slots, &run.tokens, prompts, params, n, k);
+        let twin_rows: Vec<BatchRow> =
+            rows.iter().zip(&twin_slots).map(|(r, &slot)| BatchRow { slot, params: SampleParams::greedy(valid), ..*r }).collect();
+        let late = LateInputs { masks: vec![None; n], adjust: hs.iter().map(|s| s.device_adjust(valid)).collect() };
+        let got = g.step_late(&mut st, &rows, &mut || late.clone()).unwrap();
+        twin.step(&mut twin_st, &twin_rows, &mut || vec![None; n]).unwrap();
+        let (raw, logits) = (twin.logits(n).unwrap(), g.logits(n).unwrap());
+        let bits = |x: &[f32]| x.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+        for i in (0..n).filter(|&i| late.adjust[i].is_empty()) {
+            run.twin_same &= bits(&raw[i * v..(i + 1) * v]) == bits(&logits[i * v..(i + 1) * v]);
+        }
+        run.raw.push(raw);
+        run.logprobs.push(got.iter().map(|s| s.logprob.clone()).collect());
+        for (i, s) in got.into_iter().enumerate() {
+            assert!((s.token as usize) < valid, "row {i} step {k}: token {} past the valid ones", s.token);
+            hs[i].observe(s.token);
+            run.tokens[i].push(s.token);
+        }
+    }
+    run
+}
+
+/// Checks a run's log-probabilities against the host reference of its raw logits: the returned
+/// token's id, its log-probability and every top entry's within 1e-4 of the reference, the top
+/// ids the reference's except where two ids' raw logits are within 1e-6 (a tie: either order is
+/// right); rows that did not ask get none. Returns (rows checked, tied ids swapped, failures).
+fn check_logprobs(run: &LogprobRun, params: &[SampleParams], valid: usize, v: usize) -> (usize, usize, Vec<String>) {
+    let (mut checked, mut swapped, mut bad) = (0, 0, Vec::new());
+    for (k, step) in run.logprobs.iter().enumerate() {
+        for (i, got) in step.iter().enumerate() {
+            let tok = run.tokens[i][k + 1];
+            let (want, got) = match (params[i].logprobs_top(), got) {
+                (None, None) => continue,
+                (Some(top), Some(got)) => (logprobs(&run.raw[k][i * v..(i + 1) * v], valid, tok, top), got),
+                (want, got) => {
+                    bad.push(format!("step {k} row {i}: asked {want:?}, got {got:?}"));
+                    continue;
+                }
+            };
+            checked += 1;
+            let raw = &run.raw[k][i * v..(i + 1) * v];
+            let lse = {
+                let m = raw[..valid].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)) as f64;
+                m + raw[..valid].iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
+            };
+            let close = |id: u32, lp: f32| (lp as f64 - (raw[id as usize] as f64 - lse)).abs() <= 1e-4;
+            if got.id != tok || !close(tok, got.logprob) || (got.logprob - want.logprob).abs() > 1e-4 || got.top.len() != want.top.len() {
+                bad.push(format!("step {k} row {i} token {tok}: {got:?} vs {want:?}"));
+                continue;
+            }
+            for (j, (g, w)) in got.top.iter().zip(&want.top).enumerate() {
+                let tie = (raw[g.0 as usize] - raw[w.0 as usize]).abs() <= 1e-6;
+                if (g.0 as usize) >= valid || !close(g.0, g.1) || (g.0 != w.0 && !tie) {
+                    bad.push(format!("step {k} row {i} top {j}: {g:?} vs {w:?}"));
+                }
+                swapped += (g.0 != w.0) as usize;
+            }
+        }
+    }
+    (checked, swapped, bad)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_graph_logprobs() {
+    let g = gpu();
+    let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2);
+    let host = random_weights(&cfg, Fmt::Mlx, 5);
+    let gpu = Model::new(cfg.clone(), g.clone(), &host).unwrap();
+    drop(host);
+    let v = cfg.vocab_size;
+    let valid = v - 40;
+    let mut rng = Rng::new(83);
+    let prompts: Vec<Vec<u32>> = LENS.iter().map(|&n| (0..n.min(60)).map(|_| rng.below(valid) as u32).collect()).collect();
+    // Row 0: the sampled token's logprob only; 1: none; 2: top 5 with a repetition penalty and
+    // a large bias on two tokens (so the sampled token is often an adjusted one, whose logprob
+    // must be of its raw logit); 3: top 20 with presence and frequency penalties; 4: top 20.
+    let top = [Some(0), None, Some(5), Some(20), Some(20)];
+    let hp = [
+        SamplingParams::default(),
+        SamplingParams::default(),
+        SamplingParams { repetition_penalty: 1.5, ..Default::default() },
+        SamplingParams { presence_penalty: 0.7, frequency_penalty: 0.9, ..Default::default() },
+        SamplingParams::default(),
+    ];
+    let favoured: Vec<u32> = (0..2).map(|_| rng.below(valid) as u32).collect();
+    let bias = |i: usize| -> Vec<(u32, f32)> { if i == 2 { favoured.iter().map(|&t| (t, 6.0)).collect() } else { Vec::new() } };
+    let make = |f: &[u32]| samplers(&hp, &bias, &prompts, f);
+    let greedy: Vec<SampleParams> = top.iter().map(|&t| SampleParams::greedy(valid).with_logprobs(t)).collect();
+    // The sampled graph: rows 0, 2, 3 and 4 sample (seeded), row 1 is greedy.
+    let sampled: Vec<SampleParams> = greedy
+        .iter()
+        .enumerate()
+        .map(|(i, p)| if i == 1 { *p } else { SampleParams { temperature: 0.9, top_p: 0.95, seed: 40 + i as u64, ..*p } })
+        .collect();
+    let mut ok = true;
+    for (what, params, steps) in [("greedy", &greedy, 12), ("sampled", &sampled, 40)] {
+        let a = graph_decode_logprobs(&gpu, &prompts, steps, params, &make, valid);
+        let b = graph_decode_logprobs(&gpu, &prompts, steps, params, &make, valid);
+        let plain: Vec<SampleParams> = params.iter().map(|p| p.with_logprobs(None)).collect();
+        let without = graph_decode_logprobs(&gpu, &prompts, steps, &plain, &make, valid);
+        let (checked, swapped, bad) = check_logprobs(&a, params, valid, v);
+        let seen = |k: usize, t: u32| favoured.contains(&t) || prompts[2].contains(&t) || a.tokens[2][..=k].contains(&t);
+        let adjusted_chosen = (0..steps).filter(|&k| seen(k, a.tokens[2][k + 1])).count();
+        let same_tokens = a.tokens == without.tokens;
+        let reproducible = a.tokens == b.tokens && a.logprobs == b.logprobs;
+        let none_without = without.logprobs.iter().flatten().all(Option::is_none);
+        let pass = bad.is_empty() && checked == steps * 4 && same_tokens && reproducible && none_without && a.twin_same;
+        println!(
+            "PARITY {} batch graph with logprobs, {what}, {steps} steps: {checked} row steps against the host reference of the raw logits ({swapped} tied top ids swapped, row 2 sampled an adjusted token {adjusted_chosen} times), wrong {bad:?}; tokens as without logprobs {same_tokens}, reproducible {reproducible}, twin logits identical {}",
+            if pass { "PASS" } else { "FAIL" },
+            a.twin_same
+        );
+        ok &= pass;
+    }
     assert!(ok);
 }

@@ -25,11 +25,15 @@
 //! config (where that history may hold a router flip) both tokens within 5 % of max|logit| of
 //! the op-level maximum. On a solo
 //! request the fast path must also have run every decode step but the first (the first token is
-//! sampled on the host from the prefill logits), and never on the off engine.
+//! sampled on the host from the prefill logits), and never on the off engine. The solo requests
+//! with logprobs (top_logprobs 0, 5, and 20 with a repetition penalty) decode on the batch graph
+//! (a batch of one) and must also stream the generic engine's log-probabilities: the same ids,
+//! values within 1e-4, and the same top lists, where two ids may trade places only when their
+//! log-probabilities (on the generic engine) are within 2e-6 (a tie of the logits).
 //!
-//! On the fast engine only: requests the device sampler cannot serve (logprobs) must take the
-//! generic path (no fast steps; the logprobs request must reproduce the generic engine's greedy
-//! tokens exactly); a repetition-penalty request decodes every step but the first on the batch
+//! On the fast engine only: a request asking for more top_logprobs than the batch graph keeps
+//! (20) takes the generic path (no fast steps, the generic engine's greedy tokens); a
+//! repetition-penalty request decodes every step but the first on the batch
 //! graph (its logit adjustments, see gpu_batch_decode.rs); a stop token id and a stop string on the fast path
 //! end the stream exactly where the unconstrained stream had them; seeded sampling
 //! (temperature/top-k/top-p/min-p) on the fast path is reproducible, honours max_tokens and stop
@@ -53,7 +57,7 @@ use orchid_engine::Tokenizer;
 use orchid_engine::constraint::{GrammarSpec, Grammars};
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
-use orchid_engine::sampling::SamplingParams;
+use orchid_engine::sampling::{SamplingParams, TokenLogprob};
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows};
 use orchid_model::config::ModelConfig;
@@ -113,6 +117,8 @@ struct Outcome {
     finish: Option<FinishReason>,
     completion_tokens: usize,
     with_logprob: usize,
+    /// The log-probabilities streamed (tokens without any are left out).
+    logprobs: Vec<TokenLogprob>,
     error: Option<String>,
 }
 
@@ -134,6 +140,7 @@ impl Outcome {
                 self.tokens.push(id);
                 self.text.push_str(&text);
                 self.with_logprob += logprob.is_some() as usize;
+                self.logprobs.extend(logprob);
                 true
             }
             Some(Event::Finished { reason, text, usage, .. }) => {
@@ -176,6 +183,12 @@ fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams) -> Gener
 
 fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
     request(prompt, max_tokens, SamplingParams::default())
+}
+
+/// A request with `logprobs` and `top_logprobs` = `top`.
+fn with_logprobs(mut r: GenerateRequest, top: usize) -> GenerateRequest {
+    r.logprobs = Some(top);
+    r
 }
 
 fn fast_steps(e: &EngineHandle) -> usize {
@@ -233,10 +246,11 @@ struct Run {
 
 fn scenario(e: &EngineHandle, p: &Prompts) -> Vec<Run> {
     let mut runs = Vec::new();
-    let alone = |runs: &mut Vec<Run>, name, prompt: &Vec<u32>, max| {
-        let (out, fast) = solo(e, greedy(prompt, max));
+    let alone_req = |runs: &mut Vec<Run>, name, prompt: &Vec<u32>, r: GenerateRequest| {
+        let (out, fast) = solo(e, r);
         runs.push(Run { name, prompt: prompt.clone(), out, alone: true, fast });
     };
+    let alone = |runs: &mut Vec<Run>, name, prompt: &Vec<u32>, max| alone_req(runs, name, prompt, greedy(prompt, max));
     alone(&mut runs, "solo prompt 1", &p.p1, 40);
     // 7 + 70 crosses the 64-position KV block inside the decode.
     alone(&mut runs, "solo prompt 7", &p.p7, 70);
@@ -285,7 +299,36 @@ fn scenario(e: &EngineHandle, p: &Prompts) -> Vec<Run> {
     }
     alone(&mut runs, "after a cancelled request", &p.p7, 70);
     alone(&mut runs, "solo prompt 1 again", &p.p1, 40);
+
+    // Log-probabilities (the batch graph as a batch of one on the fast engine).
+    alone_req(&mut runs, "logprobs, solo prompt 7", &p.p7, with_logprobs(greedy(&p.p7, 30), 0));
+    alone_req(&mut runs, "top_logprobs 5, solo prompt 130", &p.p130, with_logprobs(greedy(&p.p130, 40), 5));
+    let penalised = request(&p.p64, 30, SamplingParams { repetition_penalty: 1.3, ..Default::default() });
+    alone_req(&mut runs, "top_logprobs 20 and a repetition penalty, solo prompt 64", &p.p64, with_logprobs(penalised, 20));
     runs
+}
+
+/// Whether the log-probabilities of two runs of the same tokens agree (see the module docs):
+/// Err(what differs) or Ok(the top-list positions where two tied ids traded places).
+fn logprobs_match(on: &[TokenLogprob], off: &[TokenLogprob]) -> Result<usize, String> {
+    if on.len() != off.len() {
+        return Err(format!("{} vs {} tokens with logprobs", on.len(), off.len()));
+    }
+    let mut swapped = 0;
+    for (k, (a, b)) in on.iter().zip(off).enumerate() {
+        let close = |x: f32, y: f32| (x - y).abs() <= 1e-4;
+        if a.id != b.id || !close(a.logprob, b.logprob) || a.top.len() != b.top.len() {
+            return Err(format!("token {k}: {a:?} vs {b:?}"));
+        }
+        for (j, (x, y)) in a.top.iter().zip(&b.top).enumerate() {
+            let tie = || b.top.iter().find(|t| t.0 == x.0).is_some_and(|t| (t.1 - y.1).abs() <= 2e-6);
+            if !close(x.1, y.1) || (x.0 != y.0 && !tie()) {
+                return Err(format!("token {k}, top {j}: {x:?} vs {y:?}"));
+            }
+            swapped += (x.0 != y.0) as usize;
+        }
+    }
+    Ok(swapped)
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -350,6 +393,22 @@ fn compare(g: &CudaBackend, case: &Case, on: &Run, off: &Run, valid: usize) -> b
         }
     }
     let (a, b) = (&on.out.tokens, &off.out.tokens);
+    if a == b && !off.out.logprobs.is_empty() {
+        let all = on.out.logprobs.len() == a.len();
+        let m = logprobs_match(&on.out.logprobs, &off.out.logprobs);
+        let ok = all && m.is_ok() && on.out.finish == off.out.finish && on.out.text == off.out.text;
+        println!(
+            "PARITY {} {name}: greedy tokens identical with the fast path on and off, logprobs of {}/{} tokens equal within 1e-4 ({})",
+            if ok { "PASS" } else { "FAIL" },
+            on.out.logprobs.len(),
+            a.len(),
+            match m {
+                Ok(s) => format!("{s} tied top ids swapped"),
+                Err(e) => e,
+            }
+        );
+        return ok;
+    }
     if a == b {
         let ok = on.out.finish == off.out.finish && on.out.text == off.out.text;
         println!(
@@ -462,12 +521,10 @@ fn fast_only_checks(e: &EngineHandle, case: &Case, p: &Prompts, on: &[Run], off:
     let full = &base_on.out;
 
     // Requests the device sampler cannot serve take the generic path; penalised ones the batch graph.
-    let mut r = greedy(&p.p130, 40);
-    r.logprobs = Some(3);
-    let (o, fast) = solo(e, r);
-    o.assert_ok("logprobs request");
+    let (o, fast) = solo(e, with_logprobs(greedy(&p.p130, 40), 21));
+    o.assert_ok("top_logprobs 21 request");
     ok &= check(
-        name("logprobs request"),
+        name("top_logprobs over the batch graph's 20"),
         fast == 0 && o.with_logprob == o.tokens.len() && o.tokens == base_off.out.tokens,
         format!(
             "{fast} fast steps, {}/{} tokens with a logprob, tokens equal to the generic engine's: {}",

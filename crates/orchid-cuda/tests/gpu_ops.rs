@@ -872,7 +872,15 @@ fn sampling_greedy_and_filters() {
     for (temp, top_k, top_p, min_p) in
         [(1.0f32, 0usize, 1.0f32, 0.0f32), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.3, 0, 1.0, 0.2), (1.0, 10, 0.8, 0.05)]
     {
-        let p = orchid_cuda::SampleParams { temperature: temp, top_k: top_k as i32, top_p, min_p, seed: 42, valid: n as i32, masked: 0 };
+        let p = orchid_cuda::SampleParams {
+            temperature: temp,
+            top_k: top_k as i32,
+            top_p,
+            min_p,
+            seed: 42,
+            valid: n as i32,
+            ..Default::default()
+        };
         let want = filtered(&logits, temp, top_k, top_p, min_p);
         let draws = 4000;
         let mut freq = vec![0f64; n];

@@ -22,8 +22,8 @@
 //!
 //! Fast decode. A backend may come with a [`FastDecode`] (CUDA: `orchid_cuda::GraphFastDecode`:
 //! captured decode graphs with sampling on the GPU). When every decoding sequence can be served
-//! by the device sampler (no logprobs, finite parameters, no forced or banned token this step,
-//! penalties and logit bias only on a decoder that takes them and within its cap), the decoding
+//! by the device sampler (finite parameters, no forced or banned token this step, penalties,
+//! logit bias and logprobs only on a decoder that takes them and within its caps), the decoding
 //! sequences run through it: one sequence through `step`, several at once through `step_batch`
 //! (one graph replay for all of them); prompts being prefilled then run in their own forward call
 //! in the same step. Anything else runs the generic step for everyone, and the next step that
@@ -56,6 +56,11 @@
 //! per-token list (`Sampler::device_adjust`, asked for with the masks once the forward pass runs),
 //! which the device sampler applies before its filters exactly as the host sampler would. A
 //! sequence whose list may exceed the decoder's cap decodes on the generic path that step.
+//!
+//! Log-probabilities. On a decoder that computes them ([`FastDecode::logprobs_cap`]), a request
+//! with `logprobs` (and a `top_logprobs` within the cap) decodes through `step_batch` (alone as a
+//! batch of one too), which returns each asking row's [`TokenLogprob`](orchid_model::TokenLogprob)
+//! of the raw logits, emitted where the generic path emits its own (`sampling::logprobs`).
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -698,7 +703,7 @@ impl<B: Backend> Engine<B> {
             // After the restore (which takes at most one free block, the copy of a partial last block,
             // and may start the slot afresh).
             self.state.promise(slot, need);
-            let fast_ok = device_sampling_ok(&req);
+            let fast_ok = device_sampling_ok(&req, self.fast.as_ref().and_then(|f| f.logprobs_cap()));
             let device_seed = req.sampling.seed.unwrap_or_else(|| Rng::from_entropy().next_u64());
             self.running.push(Seq {
                 slot,
@@ -954,8 +959,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Decodes every decoding sequence through the fast decoder when all of them can (one
-    /// sequence: `FastDecode::step`; several, or any under a grammar or with logit adjustments:
-    /// `step_batch`); false when
+    /// sequence: `FastDecode::step`; several, or any under a grammar, with logit adjustments or
+    /// log-probabilities: `step_batch`); false when
     /// the generic step has to decode them (see the module docs).
     fn fast_step(&mut self) -> bool {
         let Some(fast) = self.fast.as_mut() else { return false };
@@ -985,16 +990,18 @@ impl<B: Backend> Engine<B> {
                         valid,
                     },
                     adjust: s.sampler.device_adjust_bound(),
+                    logprobs: s.req.logprobs,
                 }
             })
             .collect();
-        // Several sequences, or one under a grammar or with penalties or a logit bias, need the
-        // batched step (a lone sequence's `step` takes no mask and no adjustments).
+        // Several sequences, or one under a grammar, with penalties or a logit bias, or asking for
+        // log-probabilities, need the batched step (a lone sequence's `step` takes none of those).
         let adjusted = steps.iter().any(|s| s.adjust > 0);
-        let cap = fast.logit_adjust_cap();
-        if ((rows.len() > 1 || constrained || adjusted) && !self.fast_batches)
+        let logprobs = steps.iter().any(|s| s.logprobs.is_some());
+        let (cap, lp_cap) = (fast.logit_adjust_cap(), fast.logprobs_cap());
+        if ((rows.len() > 1 || constrained || adjusted || logprobs) && !self.fast_batches)
             || (constrained && !fast.masks())
-            || steps.iter().any(|s| s.adjust > cap)
+            || steps.iter().any(|s| s.adjust > cap || s.logprobs.is_some_and(|n| lp_cap.is_none_or(|c| n > c)))
         {
             return false;
         }
@@ -1024,7 +1031,7 @@ impl<B: Backend> Engine<B> {
             }
             LateInputs { masks, adjust }
         };
-        let ran = if let ([step], false, false) = (steps.as_slice(), constrained, adjusted) {
+        let ran = if let ([step], false, false, false) = (steps.as_slice(), constrained, adjusted, logprobs) {
             if let Err(e) = fast.prepare(&self.model, &mut self.state, step.slot, &step.sampling) {
                 tracing::warn!("{} is not usable ({e}); decoding on the generic path from now on", fast.name());
                 self.fast = None;
@@ -1040,16 +1047,16 @@ impl<B: Backend> Engine<B> {
             fast.step_batch(&self.model, &mut self.state, &steps, &mut late)
         };
         match ran {
-            Ok(tokens) => {
+            Ok(sampled) => {
                 self.stats.fast_decode_steps.fetch_add(rows.len(), Ordering::Relaxed);
                 let mut done = Vec::new();
-                for (row, ((&i, step), tok)) in rows.iter().zip(&steps).zip(tokens).enumerate() {
+                for (row, ((&i, step), out)) in rows.iter().zip(&steps).zip(sampled).enumerate() {
                     self.note_decoded(i, step.pos + 1);
                     let s = &mut self.running[i];
                     if let Some((_, e)) = failed.iter().find(|(r, _)| *r == row) {
                         s.fail(format!("constrained decoding failed: {e}"));
                         done.push(i);
-                    } else if emit(s, tok, None, self.max_context) {
+                    } else if emit(s, out.token, out.logprob, self.max_context) {
                         // Counted as the generic step counts (a token of a sequence that goes on).
                         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
                     } else {
@@ -1104,15 +1111,15 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Whether the fast decoder's device sampler can serve `req` as the host sampler would: no
-/// logprobs, finite parameters (temperature, top-k, top-p, min-p and the seed are what it
-/// implements; finite penalties and logit biases reach it as per-token lists, see
-/// `Sampler::device_adjust`). Forced and banned tokens (thinking budget, `min_tokens`), and
-/// whether the decoder takes the step's adjustment list, are decided per step: those steps run
-/// the generic path.
-pub fn device_sampling_ok(req: &GenerateRequest) -> bool {
+/// Whether the fast decoder's device sampler can serve `req` as the host sampler would: finite
+/// parameters (temperature, top-k, top-p, min-p and the seed are what it implements; finite
+/// penalties and logit biases reach it as per-token lists, see `Sampler::device_adjust`), and
+/// logprobs only within the decoder's `logprobs_cap` (None: it computes none). Forced and banned
+/// tokens (thinking budget, `min_tokens`), and whether the decoder takes the step's adjustment
+/// list, are decided per step: those steps run the generic path.
+pub fn device_sampling_ok(req: &GenerateRequest, logprobs_cap: Option<usize>) -> bool {
     let p: &SamplingParams = &req.sampling;
-    req.logprobs.is_none()
+    req.logprobs.is_none_or(|n| logprobs_cap.is_some_and(|c| n <= c))
         && req.logit_bias.values().all(|b| b.is_finite())
         && p.repetition_penalty.is_finite()
         && p.repetition_penalty > 0.0

@@ -90,13 +90,9 @@ impl Rng {
     }
 }
 
-/// The chosen token's log-probability and the most likely alternatives.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprob {
-    pub id: u32,
-    pub logprob: f32,
-    pub top: Vec<(u32, f32)>,
-}
+/// The chosen token's log-probability and the most likely alternatives (shared with the fast
+/// decoders, which compute it on the device).
+pub use orchid_model::TokenLogprob;
 
 /// Per-sequence sampling state.
 pub struct Sampler {
@@ -283,7 +279,8 @@ pub fn argmax(x: &[f32]) -> usize {
     best
 }
 
-/// log-softmax of the raw logits at `chosen`, plus the `top` most likely tokens.
+/// log-softmax of the raw logits at `chosen`, plus the `top` most likely tokens (by logit
+/// descending, ties to the lower id).
 pub fn logprobs(logits: &[f32], valid: usize, chosen: u32, top: usize) -> TokenLogprob {
     let l = &logits[..valid.min(logits.len())];
     let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -292,7 +289,7 @@ pub fn logprobs(logits: &[f32], valid: usize, chosen: u32, top: usize) -> TokenL
     let mut best: Vec<u32> = (0..l.len() as u32).collect();
     let n = top.min(best.len());
     if n > 0 && n < best.len() {
-        best.select_nth_unstable_by(n - 1, |&a, &b| l[b as usize].total_cmp(&l[a as usize]));
+        best.select_nth_unstable_by(n - 1, |&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
     }
     best.truncate(n);
     best.sort_unstable_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
@@ -346,6 +343,12 @@ mod tests {
         let total: f32 = [1.0f32, 1.05, 0.0].iter().map(|x| x.exp()).sum();
         assert!((lp.logprob - (1.0f32.exp() / total).ln()).abs() < 1e-5);
         assert_eq!(lp.top[0].0, 1);
+        // Equal logits: the lower ids first, at the cut too.
+        let tied = [1.0f32, 2.0, 0.5, 2.0, 2.0, 2.0];
+        for n in 1..=4 {
+            let ids: Vec<u32> = logprobs(&tied, 6, 0, n).top.iter().map(|t| t.0).collect();
+            assert_eq!(ids, [1, 3, 4, 5][..n]);
+        }
     }
 
     /// The host packing of the penalties and bias (counts -> a row's list): applied to random

@@ -7,7 +7,9 @@
 //! grammar through `step_batch`, and their masks when it asks for them, after it has issued the
 //! step's forward pass. A decoder that takes logit adjustments gets penalised and biased
 //! sequences through `step_batch` too, with their lists (applied by the mock with the reference,
-//! `apply_logit_adjust`), and the greedy tokens are the generic path's. The real fast decoder
+//! `apply_logit_adjust`), and the greedy tokens are the generic path's. A decoder that computes
+//! log-probabilities gets requests that want them through `step_batch` too (the mock computes them
+//! with the host reference from the raw logits), and they are the generic path's. The real fast decoder
 //! (the CUDA graph) is tested on the GPU by crates/orchid-cuda/tests/gpu_engine.rs and
 //! gpu_batch_decode.rs.
 
@@ -20,9 +22,10 @@ use orchid_engine::Tokenizer;
 use orchid_engine::constraint::{GrammarSpec, Grammars};
 use orchid_engine::engine::{EngineHandle, EngineOptions, LoadedModel, spawn_with};
 use orchid_engine::request::{Event, FinishReason, GenerateRequest};
-use orchid_engine::sampling::{Sampler, SamplingParams, argmax};
+use orchid_engine::sampling::{Sampler, SamplingParams, TokenLogprob, argmax, logprobs};
 use orchid_model::{
-    Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LateInputs, LogitRows, Model, Result, SeqSpan, apply_logit_adjust,
+    Backend, BatchLayout, DecodeStep, DeviceSampling, Error, FastDecode, LateInputs, LogitRows, Model, Result, Sampled, SeqSpan,
+    apply_logit_adjust,
 };
 
 fn model_dir() -> PathBuf {
@@ -38,8 +41,10 @@ struct Log {
     batches: Vec<usize>,
     /// ... and how many of their rows had a mask ...
     masked: Vec<usize>,
-    /// ... or a non-empty logit adjustment list.
+    /// ... or a non-empty logit adjustment list ...
     adjusted: Vec<usize>,
+    /// ... or asked for log-probabilities.
+    with_logprobs: Vec<usize>,
     /// What each batched step did, in order.
     calls: Vec<Call>,
 }
@@ -63,6 +68,8 @@ struct Mock {
     masks: bool,
     /// `FastDecode::logit_adjust_cap`.
     adjust_cap: usize,
+    /// `FastDecode::logprobs_cap`.
+    logprobs_cap: Option<usize>,
 }
 
 /// A stand-in for a device sampler: greedy, or a generator keyed by (seed, index); a token the
@@ -108,12 +115,13 @@ impl FastDecode<CpuBackend> for Mock {
         Ok(())
     }
 
-    fn step(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, step: &DecodeStep) -> Result<u32> {
+    fn step(&mut self, m: &Model<CpuBackend>, s: &mut <CpuBackend as Backend>::State, step: &DecodeStep) -> Result<Sampled> {
         assert_eq!(step.adjust, 0, "a step with logit adjustments outside step_batch");
+        assert_eq!(step.logprobs, None, "a step with log-probabilities outside step_batch");
         self.log.lock().unwrap().steps.push(*step);
         let l = m.forward(&[step.token], &BatchLayout::single(step.slot, step.pos, 1), s, LogitRows::LastOfEachSpan)?;
         let l = m.backend.to_host(&l)?;
-        Ok(mock_sample(&l, step, None))
+        Ok(Sampled::token(mock_sample(&l, step, None)))
     }
 
     fn prepare_batch(&mut self, _m: &Model<CpuBackend>, _s: &mut <CpuBackend as Backend>::State, steps: &[DecodeStep]) -> Result<()> {
@@ -132,15 +140,19 @@ impl FastDecode<CpuBackend> for Mock {
         self.adjust_cap
     }
 
+    fn logprobs_cap(&self) -> Option<usize> {
+        self.logprobs_cap
+    }
+
     /// As a device decoder would: the forward pass first, then the masks and adjustments, then the
-    /// sampling (of the adjusted, then masked, logits).
+    /// sampling (of the adjusted, then masked, logits), and the log-probabilities of the raw logits.
     fn step_batch(
         &mut self,
         m: &Model<CpuBackend>,
         s: &mut <CpuBackend as Backend>::State,
         steps: &[DecodeStep],
         late: &mut dyn FnMut() -> LateInputs,
-    ) -> Result<Vec<u32>> {
+    ) -> Result<Vec<Sampled>> {
         assert!(self.batch, "step_batch without a successful prepare_batch");
         let ids: Vec<u32> = steps.iter().map(|s| s.token).collect();
         let batch = BatchLayout { spans: steps.iter().map(|s| SeqSpan { slot: s.slot, start: s.pos, len: 1 }).collect() };
@@ -150,10 +162,14 @@ impl FastDecode<CpuBackend> for Mock {
         assert_eq!(masks.len(), steps.len(), "one mask entry per step");
         assert!(adjust.is_empty() || adjust.len() == steps.len(), "one adjustment list per step, or none");
         let lists = |i: usize| adjust.get(i).map_or(&[][..], Vec::as_slice);
-        assert!(steps.len() > 1 || masks[0].is_some() || steps[0].adjust > 0, "a batch of one without a mask or adjustments");
+        assert!(
+            steps.len() > 1 || masks[0].is_some() || steps[0].adjust > 0 || steps[0].logprobs.is_some(),
+            "a batch of one without a mask, adjustments or log-probabilities"
+        );
         assert!(self.masks || masks.iter().all(Option::is_none), "a mask for a decoder that takes none");
         for (i, st) in steps.iter().enumerate() {
             assert!(lists(i).len() <= st.adjust.min(self.adjust_cap), "a list longer than its bound or the cap");
+            assert!(st.logprobs.is_none_or(|n| self.logprobs_cap.is_some_and(|c| n <= c)), "log-probabilities over the cap");
         }
         let mut log = self.log.lock().unwrap();
         log.calls.push(Call::Masks);
@@ -161,14 +177,24 @@ impl FastDecode<CpuBackend> for Mock {
         log.batches.push(steps.len());
         log.masked.push(masks.iter().flatten().count());
         log.adjusted.push((0..steps.len()).filter(|&i| !lists(i).is_empty()).count());
+        log.with_logprobs.push(steps.iter().filter(|s| s.logprobs.is_some()).count());
         let v = l.len() / steps.len();
+        let raw = l.clone();
         for (i, st) in steps.iter().enumerate() {
             apply_logit_adjust(&mut l[i * v..(i + 1) * v], st.sampling.valid, lists(i));
         }
-        let tokens =
-            steps.iter().zip(&masks).enumerate().map(|(i, (st, mask))| mock_sample(&l[i * v..(i + 1) * v], st, mask.as_deref())).collect();
+        let sampled = steps
+            .iter()
+            .zip(&masks)
+            .enumerate()
+            .map(|(i, (st, mask))| {
+                let token = mock_sample(&l[i * v..(i + 1) * v], st, mask.as_deref());
+                let logprob = st.logprobs.map(|n| logprobs(&raw[i * v..(i + 1) * v], st.sampling.valid, token, n));
+                Sampled { token, logprob }
+            })
+            .collect();
         log.calls.push(Call::Sampled);
-        Ok(tokens)
+        Ok(sampled)
     }
 }
 
@@ -183,7 +209,7 @@ fn start_with(
     batch: bool,
     masks: bool,
 ) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
-    start_full(fast, fail_prepare, enabled, batch, masks, 0)
+    start_full(fast, fail_prepare, enabled, batch, masks, 0, None)
 }
 
 fn start_full(
@@ -193,6 +219,7 @@ fn start_full(
     batch: bool,
     masks: bool,
     adjust_cap: usize,
+    logprobs_cap: Option<usize>,
 ) -> (EngineHandle, Arc<Mutex<Log>>, Arc<Tokenizer>) {
     let dir = model_dir();
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
@@ -211,8 +238,8 @@ fn start_full(
     };
     let e = spawn_with(opts, tok.clone(), move || {
         let model = orchid_model::load_model(&dir, CpuBackend::new())?;
-        let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> =
-            fast.map(|_| Box::new(Mock { log: log2, fail_prepare, batch, masks, adjust_cap }) as Box<dyn FastDecode<CpuBackend>>);
+        let fast_decode: Option<Box<dyn FastDecode<CpuBackend>>> = fast
+            .map(|_| Box::new(Mock { log: log2, fail_prepare, batch, masks, adjust_cap, logprobs_cap }) as Box<dyn FastDecode<CpuBackend>>);
         Ok(LoadedModel { model, fast_decode })
     });
     e.wait_ready().unwrap();
@@ -224,6 +251,8 @@ struct Out {
     tokens: Vec<u32>,
     text: String,
     finish: Option<FinishReason>,
+    /// Per token, as the engine streamed it.
+    logprobs: Vec<Option<TokenLogprob>>,
 }
 
 fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Out {
@@ -231,9 +260,10 @@ fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Out {
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
     loop {
         match rx.try_recv() {
-            Ok(Event::Token { id, text, .. }) => {
+            Ok(Event::Token { id, text, logprob }) => {
                 o.tokens.push(id);
                 o.text.push_str(&text);
+                o.logprobs.push(logprob);
             }
             Ok(Event::Finished { reason, text, .. }) => {
                 o.text.push_str(&text);
@@ -544,8 +574,8 @@ fn constrained_requests_decode_on_the_batch_path() {
 #[test]
 fn penalised_requests_decode_on_the_batch_path() {
     let (plain, _, tok) = start(None, false, true);
-    let (fast, log, _) = start_full(Some(true), false, true, true, true, 4096);
-    let (small, log_small, _) = start_full(Some(true), false, true, true, true, 8);
+    let (fast, log, _) = start_full(Some(true), false, true, true, true, 4096, None);
+    let (small, log_small, _) = start_full(Some(true), false, true, true, true, 8, None);
     let base = req(&tok, PROMPTS[0], 24);
     let free = collect(plain.submit(base.clone()).unwrap());
     let bias: std::collections::HashMap<u32, f32> =
@@ -610,6 +640,93 @@ fn penalised_requests_decode_on_the_batch_path() {
     assert_eq!(collect(fast.submit(r).unwrap()), free);
     assert_eq!(log.lock().unwrap().batches.len(), batches);
     for e in [plain, fast, small] {
+        e.shutdown(false);
+    }
+}
+
+/// The log-probabilities of two runs of the same tokens agree: same ids, values within `tol`.
+fn assert_logprobs_close(a: &Out, b: &Out, tol: f32, what: &str) {
+    assert_eq!(a.tokens, b.tokens, "{what}");
+    assert_eq!(a.logprobs.len(), b.logprobs.len(), "{what}");
+    for (k, (x, y)) in a.logprobs.iter().zip(&b.logprobs).enumerate() {
+        let (x, y) = (x.as_ref().expect("a token without logprobs"), y.as_ref().expect("a token without logprobs"));
+        assert_eq!((x.id, x.top.len()), (y.id, y.top.len()), "{what}: token {k}");
+        assert!((x.logprob - y.logprob).abs() <= tol, "{what}: token {k}: {x:?} vs {y:?}");
+        for (p, q) in x.top.iter().zip(&y.top) {
+            assert!(p.0 == q.0 && (p.1 - q.1).abs() <= tol, "{what}: token {k}: {x:?} vs {y:?}");
+        }
+    }
+}
+
+/// Requests with logprobs, on a decoder that computes them, decode on the batch path (alone as a
+/// batch of one, next to a free request, with penalties, sampled) and stream the generic path's
+/// log-probabilities (of the raw logits: a penalised request's are those of the model); a
+/// `top_logprobs` over the decoder's cap, or a decoder that computes none, leaves the request on
+/// the generic path.
+#[test]
+fn logprobs_requests_decode_on_the_batch_path() {
+    let (plain, _, tok) = start(None, false, true);
+    let (fast, log, _) = start_full(Some(true), false, true, true, true, 4096, Some(20));
+    let (small, log_small, _) = start_full(Some(true), false, true, true, true, 4096, Some(3));
+    let (none, log_none, _) = start_full(Some(true), false, true, true, true, 4096, None);
+    let with = |n: usize, p: SamplingParams| {
+        let mut r = req(&tok, PROMPTS[0], 16);
+        r.logprobs = Some(n);
+        r.sampling = p;
+        r
+    };
+    let cases = [
+        with(0, SamplingParams::default()),
+        with(5, SamplingParams::default()),
+        with(20, SamplingParams::default()),
+        with(4, SamplingParams { repetition_penalty: 1.5, presence_penalty: 0.5, ..Default::default() }),
+    ];
+    for r in &cases {
+        let what = format!("logprobs {:?}, {:?}", r.logprobs, r.sampling);
+        let a = collect(plain.submit(r.clone()).unwrap());
+        assert!(a.logprobs.iter().all(|l| l.as_ref().is_some_and(|l| l.top.len() == r.logprobs.unwrap())), "{what}");
+        // Alone: every token after the first is a batch of one asking for log-probabilities.
+        let (before, batches) = {
+            let l = log.lock().unwrap();
+            (l.steps.len(), l.batches.len())
+        };
+        let b = collect(fast.submit(r.clone()).unwrap());
+        assert_logprobs_close(&a, &b, 1e-5, &what);
+        assert_eq!((&a.text, a.finish), (&b.text, b.finish), "{what}");
+        let l = log.lock().unwrap();
+        assert_eq!(l.steps.len() - before, b.tokens.len() - 1, "{what}");
+        assert!(l.batches[batches..].iter().zip(&l.with_logprobs[batches..]).all(|(&n, &k)| n == 1 && k == 1), "{what}");
+        drop(l);
+        // Next to a free request: batches of two, one row asking.
+        let other = req(&tok, PROMPTS[1], 12);
+        let solo = collect(plain.submit(other.clone()).unwrap());
+        let batches = log.lock().unwrap().batches.len();
+        let (x, y) = (fast.submit(r.clone()).unwrap(), fast.submit(other.clone()).unwrap());
+        let (x, y) = (collect(x), collect(y));
+        assert_logprobs_close(&a, &x, 1e-5, &what);
+        assert_eq!(y, solo, "{what}");
+        let l = log.lock().unwrap();
+        assert!(l.batches[batches..].iter().zip(&l.with_logprobs[batches..]).any(|(&n, &k)| n == 2 && k == 1), "{what}: {:?}", l.batches);
+        drop(l);
+        // A cap of 3 top tokens, or none: the generic path (same output).
+        let (before_small, before_none) = (log_small.lock().unwrap().steps.len(), log_none.lock().unwrap().steps.len());
+        assert_logprobs_close(&a, &collect(small.submit(r.clone()).unwrap()), 1e-5, &what);
+        assert_logprobs_close(&a, &collect(none.submit(r.clone()).unwrap()), 0.0, &what);
+        assert_eq!(log_none.lock().unwrap().steps.len(), before_none, "{what}: a decoder without logprobs got the request");
+        if r.logprobs.unwrap() > 3 {
+            assert_eq!(log_small.lock().unwrap().steps.len(), before_small, "{what}: top_logprobs over the cap went to the decoder");
+        }
+    }
+    // Sampled: on the batch path, each token's log-probability is of the token drawn.
+    let r = with(2, SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(5), ..Default::default() });
+    let before = log.lock().unwrap().steps.len();
+    let o = collect(fast.submit(r).unwrap());
+    assert_eq!(log.lock().unwrap().steps.len() - before, o.tokens.len() - 1);
+    for (t, l) in o.tokens.iter().zip(&o.logprobs) {
+        let l = l.as_ref().expect("a token without logprobs");
+        assert!(l.id == *t && l.logprob <= 0.0 && l.top.len() == 2 && l.top[0].1 >= l.top[1].1 && l.top[0].1 >= l.logprob, "{l:?}");
+    }
+    for e in [plain, fast, small, none] {
         e.shutdown(false);
     }
 }

@@ -2,17 +2,19 @@
 //! CUDA graphs with the sampling done on the GPU (`orchid_cuda::GraphFastDecode`: one graph per
 //! slot for a lone sequence, and batch graphs that are captures of [`Model::forward`] for several
 //! sequences at once). The engine (`orchid-engine`) uses it for its decoding sequences when their
-//! sampling needs nothing the device sampler lacks; prefill, penalties and log-probabilities go
-//! through [`Model::forward`] as before. The fast path works on the same `B::State` as the
-//! generic path, so the engine may switch between the two at any step boundary.
+//! sampling needs nothing the device sampler lacks: grammar masks ([`TokenMasks`]), penalties and
+//! logit bias ([`LogitAdjust`]) and log-probabilities ([`TokenLogprob`]) are part of a step, up to
+//! what the decoder says it serves; prefill goes through [`Model::forward`]. The fast path works on
+//! the same `B::State` as the generic path, so the engine may switch between the two at any step
+//! boundary.
 
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::Model;
 
 /// The sampling a fast decoder must do on the device: temperature, top-k, top-p, min-p with a
-/// seeded generator (the engine keeps log-probabilities on its generic path; penalties and logit
-/// biases come as the step's [`LogitAdjust`] lists, see [`FastDecode::logit_adjust_cap`]).
+/// seeded generator (penalties and logit biases come as the step's [`LogitAdjust`] lists, see
+/// [`FastDecode::logit_adjust_cap`]; log-probabilities as [`DecodeStep::logprobs`]).
 /// Semantics are those of the engine's host sampler; greedy picks the lowest id among equal
 /// maxima.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -57,6 +59,35 @@ pub struct DecodeStep {
     /// through `step_batch` (`step` takes none), and only when this is at most the decoder's
     /// [`FastDecode::logit_adjust_cap`].
     pub adjust: usize,
+    /// None: the step returns no log-probabilities; Some(n): the sampled token's and the n most
+    /// likely tokens' (see [`TokenLogprob`]). A step that asks runs through `step_batch`, and only
+    /// when n is at most the decoder's [`FastDecode::logprobs_cap`].
+    pub logprobs: Option<usize>,
+}
+
+/// A sampled token's log-probability and the most likely tokens': the log-softmax of the model's
+/// raw logits over the valid ids (before penalties, logit bias and grammar masks), with `top` the
+/// requested number of most likely tokens, by logit descending, ties to the lower id.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a fast decode step gives for one sequence: the sampled token, and its log-probabilities
+/// when the step asked for them ([`DecodeStep::logprobs`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+impl Sampled {
+    /// A token without log-probabilities.
+    pub fn token(token: u32) -> Sampled {
+        Sampled { token, logprob: None }
+    }
 }
 
 /// The token masks of a batched step (a grammar's), one entry per step in order; `None`: the row
@@ -160,9 +191,10 @@ pub trait FastDecode<B: Backend> {
 
     /// Runs `step.token` at `step.pos` through the model (advancing the slot's state by one
     /// position, exactly as `Model::forward` of that one token would), samples the next token
-    /// on the device and returns it. Called after `prepare` with the same slot and sampling.
+    /// on the device and returns it. Called after `prepare` with the same slot and sampling, for
+    /// a step without adjustments and log-probabilities (those run through `step_batch`).
     /// After an error the sequence's state is undefined (the engine ends the request).
-    fn step(&mut self, model: &Model<B>, state: &mut B::State, step: &DecodeStep) -> Result<u32>;
+    fn step(&mut self, model: &Model<B>, state: &mut B::State, step: &DecodeStep) -> Result<Sampled>;
 
     /// Whether `step_batch` honours the [`TokenMasks`] it asks for (then the engine runs a
     /// sequence under a grammar through `step_batch`, alone as a batch of one if need be; `step`
@@ -179,6 +211,14 @@ pub trait FastDecode<B: Backend> {
         0
     }
 
+    /// The most top tokens (`top_logprobs`) a step's log-probabilities may ask for
+    /// ([`DecodeStep::logprobs`]); None (the default): the decoder computes none, and the engine
+    /// runs sequences that want them on the generic path. Steps with log-probabilities run
+    /// through `step_batch`, alone as a batch of one if need be.
+    fn logprobs_cap(&self) -> Option<usize> {
+        None
+    }
+
     /// Gets ready to decode the sequences of `steps` together with `step_batch` (e.g. captures
     /// a graph for a batch of that size) without changing their states. `steps` holds one step
     /// or more (one: a sequence under a grammar, for a decoder that takes masks). An error means
@@ -190,7 +230,8 @@ pub trait FastDecode<B: Backend> {
     }
 
     /// One decode step of several sequences at once (distinct slots; each step as in `step`,
-    /// after a `prepare_batch` of the same steps): returns the sampled tokens in order. The
+    /// after a `prepare_batch` of the same steps): returns the sampled tokens in order, with the
+    /// log-probabilities of the steps that asked (of the raw logits, see [`TokenLogprob`]). The
     /// steps' token masks and logit adjustments come late, so that the caller computes them while
     /// the device runs the forward pass: the implementation calls `late` exactly once, after it
     /// has issued the step's forward work and before it samples, and samples under what it
@@ -205,7 +246,7 @@ pub trait FastDecode<B: Backend> {
         state: &mut B::State,
         steps: &[DecodeStep],
         late: &mut dyn FnMut() -> LateInputs,
-    ) -> Result<Vec<u32>>;
+    ) -> Result<Vec<Sampled>>;
 }
 
 #[cfg(test)]

@@ -20,7 +20,9 @@ pub use backend::{Backend, StateOptions, StatePool};
 pub use batch::{BatchLayout, LogitRows, SeqSpan};
 pub use config::{LayerKind, ModelConfig};
 pub use error::{Error, LoadError, Result};
-pub use fast_decode::{DecodeStep, DeviceSampling, FastDecode, LateInputs, LogitAdjust, TokenMasks, apply_logit_adjust};
+pub use fast_decode::{
+    DecodeStep, DeviceSampling, FastDecode, LateInputs, LogitAdjust, Sampled, TokenLogprob, TokenMasks, apply_logit_adjust,
+};
 pub use model::Model;
 
 /// Reads a checkpoint folder (config + weights) and uploads it to `backend`.

@@ -15,6 +15,7 @@ pub mod deltanet;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemv;
+pub mod logprobs;
 pub mod moe;
 pub mod moe_decode;
 pub mod sampling;

@@ -22,6 +22,10 @@ crate::kernel_abi! {
         valid: i32,
         /// Non-zero: the row's token mask (`SampleArgs::mask`) applies.
         masked: i32,
+        /// 0: the row wants no log-probabilities; n + 1: the sampled token's and the n most likely
+        /// tokens' (the batch graph's logprob kernels, `ops::logprobs`; the sampler ignores it).
+        logprobs: i32,
+        pad: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct SampleArgs {
@@ -58,6 +62,8 @@ crate::kernel_abi! {
         entries: u64,
         /// SampleParams [rows] (for `valid`).
         params: u64,
+        /// f32 per entry: the logit before the entry's adjustment is written there (0: not kept).
+        saved: u64,
         vocab: i32,
         pad: i32,
     }
@@ -72,6 +78,15 @@ impl SampleParams {
     }
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 || self.top_k == 1
+    }
+    /// These parameters with the row's log-probabilities: None, or the sampled token's and the
+    /// `n` most likely tokens' (at most `ops::logprobs::LOGPROB_TOP`, checked by the batch graph).
+    pub fn with_logprobs(self, n: Option<usize>) -> SampleParams {
+        SampleParams { logprobs: n.map_or(0, |n| n.min(i32::MAX as usize - 1) as i32 + 1), ..self }
+    }
+    /// The top tokens the row asks for, if it asks.
+    pub fn logprobs_top(&self) -> Option<usize> {
+        (self.logprobs > 0).then(|| self.logprobs as usize - 1)
     }
 }
 
@@ -104,9 +119,12 @@ pub fn adjust_rows(c: &Ctx, a: &AdjustArgs, rows: usize) -> Result<()> {
 mod tests {
     #[test]
     fn sizes() {
-        assert_eq!(std::mem::size_of::<super::SampleParams>(), 32);
+        assert_eq!(std::mem::size_of::<super::SampleParams>(), 40);
         assert_eq!(std::mem::size_of::<super::SampleArgs>(), 72);
         assert_eq!(std::mem::size_of::<super::AdjustEntry>(), 16);
-        assert_eq!(std::mem::size_of::<super::AdjustArgs>(), 40);
+        assert_eq!(std::mem::size_of::<super::AdjustArgs>(), 48);
+        let p = super::SampleParams::greedy(9);
+        assert_eq!((p.logprobs_top(), p.with_logprobs(Some(0)).logprobs_top(), p.with_logprobs(Some(20)).logprobs), (None, Some(0), 21));
+        assert_eq!(p.with_logprobs(Some(3)).with_logprobs(None), p);
     }
 }
