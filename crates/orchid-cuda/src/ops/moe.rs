@@ -94,6 +94,5 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::ScanArgs>(), 56);
         assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 48);
         assert_eq!(std::mem::size_of::<super::CombineArgs>(), 72);
-        assert_eq!(std::mem::size_of::<super::CombineArgs>(), 64);
     }
 }
