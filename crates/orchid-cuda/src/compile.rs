@@ -81,6 +81,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gemm_bf16_pair_n64",
             "gemm_bf16_pair_n128",
             "gemm_xprep",
+            "gemm_xprep_norm",
             "gemm_splitk_reduce",
             "gemm_splitk_reduce4",
         ],
@@ -312,5 +313,42 @@ mod tests {
             }
             assert!(src.contains(&format!("#line 1 \"{}.cu\"", f.name)));
         }
+    }
+
+    /// Every `__global__` entry point of a file is in its kernel list (a kernel left out compiles
+    /// but is never loaded, and its first launch panics), and every listed name is defined.
+    #[test]
+    fn every_kernel_entry_point_is_listed() {
+        for f in KERNEL_FILES {
+            let src = f.source;
+            // Entry points written out (those a macro body declares are checked by name below).
+            let defined: Vec<String> = src
+                .match_indices("__global__")
+                .filter(|(i, _)| !src[..*i].trim_end_matches(|c| c != '\n').trim_end().ends_with('\\'))
+                .filter_map(|(i, _)| entry_point_name(&src[i + "__global__".len()..]))
+                .collect();
+            for name in &defined {
+                assert!(f.kernels.contains(&name.as_str()), "{}.cu defines {name}, which its kernel list lacks", f.name);
+            }
+            for name in f.kernels {
+                // Written out, an argument of a kernel-defining macro, or a token-pasted `prefix##D`.
+                let pasted = src.match_indices("##").any(|(i, _)| {
+                    let prefix = &src[src[..i].rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |j| j + 1)..i];
+                    !prefix.is_empty() && name.strip_prefix(prefix).is_some_and(|d| d.chars().all(|c| c.is_ascii_digit()))
+                });
+                let here = defined.iter().any(|d| d == name) || src.contains(&format!("({name},")) || pasted;
+                assert!(here, "{}: {name} is listed but not defined", f.name);
+            }
+        }
+    }
+
+    /// The name in `void [__launch_bounds__(..)] name(` after a `__global__`.
+    fn entry_point_name(rest: &str) -> Option<String> {
+        let mut head = rest.split('{').next()?.to_string();
+        if let Some(i) = head.find("__launch_bounds__(") {
+            let close = i + head[i..].find(')')?;
+            head.replace_range(i..=close, "");
+        }
+        Some(head.split('(').next()?.split_whitespace().last()?.to_string())
     }
 }
