@@ -97,10 +97,11 @@ extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __rest
 // in one pass): one block of 256 threads per row. The sum of squares is rms_norm's (thread i:
 // columns i, i + 256, ...; block_sum) and y = x · inv · w as rms_norm forms it, so the rounded
 // values and group sums are those of rms_norm followed by gemm_xprep (warp w takes the runs w,
-// w + 8, ... of 128 columns, lane L the float4 at 4L of each). Needs K % 4 == 0, ldx % 4 == 0.
+// w + 8, ... of 128 columns, lane L the float4 at 4L of each). With y (not null), the normalised
+// f32 rows are written there too ([rows, K], rms_norm's output). Needs K % 4 == 0, ldx % 4 == 0.
 extern "C" __global__ void __launch_bounds__(256) gemm_xprep_norm(const float* __restrict__ x, const float* __restrict__ nw,
-                                                                  __nv_bfloat16* __restrict__ xb, float* __restrict__ xs, int ldx,
-                                                                  int K, int kpad, float eps) {
+                                                                  __nv_bfloat16* __restrict__ xb, float* __restrict__ xs,
+                                                                  float* __restrict__ y, int ldx, int K, int kpad, float eps) {
     pdl_enter();
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * ldx;
@@ -115,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_xprep_norm(const float* _
         if (k < K) {
             const float4 xv = *(const float4*)(xr + k), wv = *(const float4*)(nw + k);
             v = make_float4(xv.x * inv * wv.x, xv.y * inv * wv.y, xv.z * inv * wv.z, xv.w * inv * wv.w);
+            if (y) *(float4*)(y + (i64)blockIdx.x * K + k) = v;
         }
         uint2 o;
         o.x = pack_bf16(v.x, v.y);

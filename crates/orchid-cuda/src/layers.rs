@@ -9,7 +9,7 @@ use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
-use crate::ops::gemm::{Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
+use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
 use crate::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_up_rows};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
@@ -294,12 +294,21 @@ pub fn deltanet(
 
 pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims) -> Result<CudaTensor> {
     let out = b.tensor(x.rows, x.cols)?;
-    moe_into(b, x, w, dims, out.ptr(), false)?;
+    moe_into(b, x, None, w, dims, out.ptr(), false)?;
     Ok(out)
 }
 
-/// `moe` of x written to `out` [t, H], or added onto it (`accumulate`: the residual).
-pub fn moe_into(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims, out: u64, accumulate: bool) -> Result<()> {
+/// `moe` of x written to `out` [t, H], or added onto it (`accumulate`: the residual). `xp`: x
+/// already prepared for the GEMMs (`gemm_x` of the same rows), else prepared here.
+pub fn moe_into(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    xp: Option<GemmX>,
+    w: &MoeWeights<CudaBackend>,
+    dims: &MoeDims,
+    out: u64,
+    accumulate: bool,
+) -> Result<()> {
     let c = &b.ctx;
     let (t, h) = (x.rows, x.cols);
     let (e, k) = (dims.num_experts, dims.top_k);
@@ -318,7 +327,10 @@ pub fn moe_into(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, di
     let logits = b.tensor(t, e)?;
     // x rounded to bf16 with its group sums, once for every GEMM that reads it (router, experts'
     // gate/up, shared expert and its gate).
-    let xp = gemm_x(c, x.ptr(), h, t, h)?;
+    let xp = match xp {
+        Some(xp) => xp,
+        None => gemm_x(c, x.ptr(), h, t, h)?,
+    };
     matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), e)?;
     let ids = DevBuf::alloc(gpu, t * k * 4)?;
     let wts = DevBuf::alloc(gpu, t * k * 4)?;

@@ -266,7 +266,7 @@ impl Backend for CudaBackend {
             return Ok(outs);
         }
         // x normalised and rounded to bf16 in one pass, once for every GEMM (all of the same K).
-        let xp = ops::gemm::gemm_x_norm(c, x.ptr(), x.cols, t, x.cols, norm.buf.ptr, eps)?;
+        let xp = ops::gemm::gemm_x_norm(c, x.ptr(), x.cols, t, x.cols, norm.buf.ptr, eps, 0)?;
         ws.iter()
             .map(|w| {
                 let out = self.tensor(t, w.rows)?;
@@ -300,9 +300,11 @@ impl Backend for CudaBackend {
             // Normalised on load, the experts' sum added to the residual in place.
             return layers::moe_rows(self, x, Some((norm.buf.ptr, eps)), w, dims, &md, x.ptr());
         }
-        // The experts' weighted sum is added onto the residual by the combine kernel.
-        let xn = self.rms_norm(x, norm, eps)?;
-        layers::moe_into(self, &xn, w, dims, x.ptr(), true)
+        // The norm in the experts' input preparation (its f32 rows kept for the few-token GEMVs); the
+        // experts' weighted sum is added onto the residual by the combine kernel.
+        let xn = self.tensor(x.rows, x.cols)?;
+        let xp = ops::gemm::gemm_x_norm(&self.ctx, x.ptr(), x.cols, x.rows, x.cols, norm.buf.ptr, eps, xn.ptr())?;
+        layers::moe_into(self, &xn, Some(xp), w, dims, x.ptr(), true)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {

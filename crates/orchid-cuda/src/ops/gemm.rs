@@ -187,9 +187,10 @@ pub fn gemm_x(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize) -> Result<Gemm
     Ok(xp)
 }
 
-/// `gemm_x` of rms_norm(x) · `norm` (eps `eps`) in one pass, without the normalised f32 rows:
-/// the same values as `rms_norm` followed by `gemm_x`.
-pub fn gemm_x_norm(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize, norm: u64, eps: f32) -> Result<GemmX> {
+/// `gemm_x` of rms_norm(x) · `norm` (eps `eps`) in one pass: the same values as `rms_norm`
+/// followed by `gemm_x`. The normalised f32 rows are also written to `y` [rows, k] unless it is 0.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_x_norm(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize, norm: u64, eps: f32, y: u64) -> Result<GemmX> {
     if !k.is_multiple_of(4) || !ldx.is_multiple_of(4) || ldx < k {
         return Err(Error::Op { op: "gemm", msg: format!("K {k} and the row stride {ldx} must be multiples of 4 (stride ≥ K)") });
     }
@@ -199,7 +200,7 @@ pub fn gemm_x_norm(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize, norm: u64
     if rows > 0 {
         let (xb, xs) = (xp.xb(), xp.xs());
         let (ldx32, k32, kpad32) = (ldx as i32, k as i32, kpad as i32);
-        c.k("gemm_xprep_norm").launch_raw(&c.gpu, (rows as u32, 1, 1), 256, 0, params!(x, norm, xb, xs, ldx32, k32, kpad32, eps))?;
+        c.k("gemm_xprep_norm").launch_raw(&c.gpu, (rows as u32, 1, 1), 256, 0, params!(x, norm, xb, xs, y, ldx32, k32, kpad32, eps))?;
     }
     Ok(xp)
 }
