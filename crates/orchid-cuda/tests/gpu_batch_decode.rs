@@ -27,6 +27,7 @@ use orchid_model::LateInputs;
 use orchid_model::Model;
 use orchid_model::backend::{Backend, StateOptions, StatePool};
 use orchid_model::batch::{BatchLayout, LogitRows, SeqSpan};
+use orchid_model::config::ModelConfig;
 
 const LENS: [usize; 5] = [17, 64, 130, 3, 250];
 
@@ -111,6 +112,22 @@ fn step_rows(slots: &[usize], out: &[Vec<u32>], prompts: &[Vec<u32>], params: &[
         .collect()
 }
 
+/// One GDN and one attention layer, GQA 4:1, routed 8 of 32 experts.
+fn small_config() -> ModelConfig {
+    config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2)
+}
+
+/// The sampling tests' setup: the small model on the GPU (MLX 4-bit, the weights of seed 5), its
+/// vocabulary v, the ids below `valid` = v − `unused` that a tokenizer would know, and a prompt of
+/// each length of LENS (at most 60 tokens) drawn from them.
+fn sampling_setup(rng: &mut Rng, unused: usize) -> (Model<CudaBackend>, usize, usize, Vec<Vec<u32>>) {
+    let cfg = small_config();
+    let gpu = Model::new(cfg.clone(), gpu(), &random_weights(&cfg, Fmt::Mlx, 5)).unwrap();
+    let (v, valid) = (cfg.vocab_size, cfg.vocab_size - unused);
+    let prompts = LENS.iter().map(|&n| (0..n.min(60)).map(|_| rng.below(valid) as u32).collect()).collect();
+    (gpu, v, valid, prompts)
+}
+
 fn first_mismatch(a: &[Vec<u32>], b: &[Vec<u32>]) -> Option<(usize, usize)> {
     a.iter().zip(b).enumerate().find_map(|(r, (x, y))| x.iter().zip(y).position(|(p, q)| p != q).map(|k| (r, k)))
 }
@@ -119,8 +136,7 @@ fn first_mismatch(a: &[Vec<u32>], b: &[Vec<u32>]) -> Option<(usize, usize)> {
 #[ignore = "needs a CUDA GPU"]
 fn batched_decode_matches_reference_and_graph() {
     let g = gpu();
-    // One GDN and one attention layer, GQA 4:1, routed 8 of 32 experts.
-    let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2);
+    let cfg = small_config();
     let host = random_weights(&cfg, Fmt::Mlx, 5);
     let cpu = Model::new(cfg.clone(), CpuBackend::new(), &host).unwrap();
     let bfc = Model::new(cfg.clone(), Bf16Cpu(CpuBackend::new()), &host).unwrap();
@@ -230,14 +246,8 @@ fn random_mask(seed: u64, v: usize, k: usize) -> Vec<u32> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn batch_graph_masks() {
-    let g = gpu();
-    let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2);
-    let host = random_weights(&cfg, Fmt::Mlx, 5);
-    let gpu = Model::new(cfg.clone(), g.clone(), &host).unwrap();
-    drop(host);
-    let v = cfg.vocab_size;
     let mut rng = Rng::new(78);
-    let prompts: Vec<Vec<u32>> = LENS.iter().map(|&n| (0..n.min(60)).map(|_| rng.below(v) as u32).collect()).collect();
+    let (gpu, v, _, prompts) = sampling_setup(&mut rng, 0);
     let n = prompts.len();
     let opts = StateOptions::new(n + 1, 320);
 
@@ -364,17 +374,10 @@ fn graph_decode_adjusted(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn batch_graph_penalties() {
-    let g = gpu();
-    let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2);
-    let host = random_weights(&cfg, Fmt::Mlx, 5);
-    let gpu = Model::new(cfg.clone(), g.clone(), &host).unwrap();
-    drop(host);
-    let v = cfg.vocab_size;
     // The tokenizer's vocabulary may be smaller than the model's: ids ≥ valid are never chosen,
     // and biases on them do nothing.
-    let valid = v - 40;
     let mut rng = Rng::new(79);
-    let prompts: Vec<Vec<u32>> = LENS.iter().map(|&n| (0..n.min(60)).map(|_| rng.below(valid) as u32).collect()).collect();
+    let (gpu, v, valid, prompts) = sampling_setup(&mut rng, 40);
     let n = prompts.len();
     let opts = StateOptions::new(n + 1, 320);
     // Row 0: repetition penalty over prompt and output; 1: nothing; 2: presence and frequency;
@@ -605,15 +608,8 @@ fn check_logprobs(run: &LogprobRun, params: &[SampleParams], valid: usize, v: us
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn batch_graph_logprobs() {
-    let g = gpu();
-    let cfg = config(2048, 512, 2, (8, 2, 128), (4, 8, 64, 64), (32, 8, 128, 128), 2);
-    let host = random_weights(&cfg, Fmt::Mlx, 5);
-    let gpu = Model::new(cfg.clone(), g.clone(), &host).unwrap();
-    drop(host);
-    let v = cfg.vocab_size;
-    let valid = v - 40;
     let mut rng = Rng::new(83);
-    let prompts: Vec<Vec<u32>> = LENS.iter().map(|&n| (0..n.min(60)).map(|_| rng.below(valid) as u32).collect()).collect();
+    let (gpu, v, valid, prompts) = sampling_setup(&mut rng, 40);
     // Row 0: the sampled token's logprob only; 1: none; 2: top 5 with a repetition penalty and
     // a large bias on two tokens (so the sampled token is often an adjusted one, whose logprob
     // must be of its raw logit); 3: top 20 with presence and frequency penalties; 4: top 20.
