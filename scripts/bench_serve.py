@@ -33,6 +33,10 @@ max_tokens --output-tokens, temperature 0, ignore_eos, stream with usage. Report
   floor tok/s     N / (floor bytes / --hbm-tbps), the rate memory bandwidth allows
   srv ITL         the server's mean inter-token latency over the level (/metrics)
 
+and, from the server's step counters (/metrics), where the engine's time went: the steps that
+ran prompt tokens (with any decoding beside them; their count and seconds in all), the steps
+that only decoded (count, mean time), and the share of the wall time the two fill.
+
 The byte floor of one decode step of B sequences at context L (L = prompt + output/2, the
 average over the run), from the checkpoint's config.json (both the Qwen3.5/3.6 `text_config`
 nesting and flat Qwen3-Next; field names and defaults as crates/orchid-model/src/config.rs):
@@ -461,6 +465,14 @@ def metric_delta(before: dict, after: dict) -> dict:
            "server_generated_tokens": d("orchid_generation_tokens_total") or None}
     n = d("orchid_time_to_first_token_seconds_count")
     out["server_ttft_mean_s"] = d("orchid_time_to_first_token_seconds_sum") / n if n else None
+    # The engine's steps: those that ran prompt tokens (with any decoding beside them) and those
+    # that only decoded, with their wall time.
+    for kind in ("prefill", "decode"):
+        steps = d(f'orchid_engine_steps_total{{kind="{kind}"}}')
+        secs = d(f'orchid_engine_step_seconds_total{{kind="{kind}"}}')
+        out[f"{kind}_steps"] = int(steps)
+        out[f"{kind}_step_s"] = secs
+        out[f"{kind}_step_mean_s"] = secs / steps if steps else None
     return out
 
 
@@ -498,6 +510,7 @@ class Bench:
         before = metrics(self.url)
         start = run_streams(streams, self.server, self.args.timeout)
         row = {"concurrency": n, **stream_figures(streams, start), **metric_delta(before, metrics(self.url))}
+        row["engine_busy_fraction"] = (row["prefill_step_s"] + row["decode_step_s"]) / row["wall_s"]
         floor = self.floor(n)
         if floor:
             row.update(floor)
@@ -573,6 +586,12 @@ def print_table(meta: dict, rows: list[dict], interference: dict | None, out):
               f"{ttft:>21} {itl:>15} {num(r['tokens_per_chunk'], '.2f'):>9} {ms(r['server_itl_mean_s']):>10} "
               f"{num(r.get('floor_gb'), '.2f'):>9} {num(r.get('floor_tok_s')):>11} "
               f"{'-' if frac is None else f'{frac:.1%}':>8}", file=out)
+    print("where the engine's time went: steps that ran prompt tokens (count, seconds in all) and steps that only "
+          "decoded (count, mean), their sum against the wall time", file=out)
+    print(f"{'streams':>7} {'prefill steps':>13} {'prefill s':>9} {'decode steps':>12} {'ms/step':>8} {'busy':>6}", file=out)
+    for r in rows:
+        print(f"{r['concurrency']:>7} {r['prefill_steps']:>13} {r['prefill_step_s']:>9.3f} {r['decode_steps']:>12} "
+              f"{ms(r['decode_step_mean_s']):>8} {r['engine_busy_fraction']:>6.1%}", file=out)
     if interference:
         i = interference
         print(f"interference: {i['streams']} streams x {i['stream_tokens']} tokens, a {i['long_prompt_tokens']}-token prompt "

@@ -86,12 +86,16 @@ def test_cpu_smoke(tmp_path):
         assert r["floor_gb"] > 0 and r["floor_tok_s"] > 0 and 0 < r["fraction_of_floor"] < 1
         assert set(r["floor_parts_gb"]) == {"dense", "routed_expert", "gdn_state", "kv"}
         assert r["server_itl_mean_s"] is not None and r["server_itl_mean_s"] > 0
+        # Each stream's one-chunk prompt ran in a prefill step; the rest of its tokens in decode steps.
+        assert 1 <= r["prefill_steps"] <= n and r["prefill_step_s"] > 0
+        assert r["decode_steps"] >= 3 and r["decode_step_mean_s"] > 0
+        assert 0 < r["engine_busy_fraction"] <= 1
     i = out["interference"]
     assert i["streams"] == 2 and i["long_prompt_tokens"] == 256
     assert 0 < i["long_ttft_s"] <= i["long_total_s"] and i["long_alone_ttft_s"] > 0
     assert i["itl_outside_p50_s"] is not None
     # The table went to stderr.
-    assert "agg tok/s" in p.stderr and "interference:" in p.stderr
+    assert "agg tok/s" in p.stderr and "interference:" in p.stderr and "where the engine's time went" in p.stderr
 
 
 @pytest.mark.skipif(S.binary_problem() is not None, reason=str(S.binary_problem()))

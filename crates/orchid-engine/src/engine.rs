@@ -68,6 +68,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use orchid_model::backend::GDN_CHUNK;
 use orchid_model::{
@@ -216,8 +217,13 @@ pub struct EngineStats {
     pub generated_tokens: AtomicUsize,
     /// Decode steps run by the fast decoder (the rest of the decoding ran the generic step).
     pub fast_decode_steps: AtomicUsize,
-    /// Steps that ran prompt tokens (of one or more requests).
+    /// Steps that ran prompt tokens (of one or more requests, with any decoding beside them),
+    /// and their wall time in microseconds.
     pub prefill_steps: AtomicUsize,
+    pub prefill_step_micros: AtomicUsize,
+    /// Steps that ran only decoding sequences, and their wall time in microseconds.
+    pub decode_steps: AtomicUsize,
+    pub decode_step_micros: AtomicUsize,
     /// Requests that restored a cached prefix, and those that found none.
     pub prefix_cache_hits: AtomicUsize,
     pub prefix_cache_misses: AtomicUsize,
@@ -228,6 +234,15 @@ pub struct EngineStats {
     pub prefix_cache_bytes: AtomicUsize,
     pub prefix_cache_budget: AtomicUsize,
     pub prefix_cache_evictions: AtomicUsize,
+}
+
+/// What an engine step ran.
+enum Ran {
+    Nothing,
+    /// Prompt tokens (with any decoding sequences beside them).
+    Prefill,
+    /// Only decoding sequences.
+    Decode,
 }
 
 enum Command {
@@ -835,14 +850,26 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// One forward call over every decoding sequence plus the next prefill chunks.
+    /// One engine step, its wall time counted as a prefill step (prompt tokens ran) or a decode
+    /// step (only decoding sequences ran).
     fn step(&mut self) {
+        let start = Instant::now();
+        let micros = match self.run_step() {
+            Ran::Nothing => return,
+            Ran::Prefill => &self.stats.prefill_step_micros,
+            Ran::Decode => &self.stats.decode_step_micros,
+        };
+        micros.fetch_add(start.elapsed().as_micros() as usize, Ordering::Relaxed);
+    }
+
+    /// One forward call over every decoding sequence plus the next prefill chunks.
+    fn run_step(&mut self) -> Ran {
         injected_fault(self.opts.inject_fault, Fault::Step);
         // Clients that went away (even mid-prompt) free their slots now.
         let gone: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].tx.is_closed()).collect();
         self.retire(&gone);
         if self.running.is_empty() {
-            return;
+            return Ran::Nothing;
         }
         // The decoding sequences go through the fast decoder when they all can; the forward
         // call below then runs only the prompts being prefilled.
@@ -882,12 +909,19 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
-        if budget < full {
-            // A prompt span ran.
-            self.stats.prefill_steps.fetch_add(1, Ordering::Relaxed);
-        }
+        // Counted before any token of the step is sent.
+        let ran = match (budget < full, decoded || !spans.is_empty()) {
+            (true, _) => Ran::Prefill,
+            (false, true) => Ran::Decode,
+            (false, false) => Ran::Nothing,
+        };
+        match ran {
+            Ran::Prefill => self.stats.prefill_steps.fetch_add(1, Ordering::Relaxed),
+            Ran::Decode => self.stats.decode_steps.fetch_add(1, Ordering::Relaxed),
+            Ran::Nothing => 0,
+        };
         if spans.is_empty() {
-            return;
+            return ran;
         }
         let batch = BatchLayout { spans };
         // The grammar masks for this step are computed while the model runs.
@@ -912,7 +946,7 @@ impl<B: Backend> Engine<B> {
                     self.running[i].fail(msg.clone());
                 }
                 self.retire(&members);
-                return;
+                return ran;
             }
         };
         let v = self.model.config.vocab_size;
@@ -956,6 +990,7 @@ impl<B: Backend> Engine<B> {
         }
         self.stats.generated_tokens.fetch_add(members.len() - done.len(), Ordering::Relaxed);
         self.retire(&done);
+        ran
     }
 
     /// Decodes every decoding sequence through the fast decoder when all of them can (one

@@ -2,6 +2,7 @@
 //! chunk (`prefill_chunk`), on the CPU backend with the bundled model: prompts that arrive
 //! together are prefilled together while their spans fit in the budget, a long prompt still
 //! advances one chunk per step, and greedy output is the same as with a budget of one chunk.
+//! Steps and their time are counted as prefill steps (prompt tokens ran) or decode steps.
 //!
 //! To make requests arrive together, a first request takes all the KV room (prompt +
 //! max_tokens up to the context), so the others wait in the queue until it ends and are then
@@ -126,5 +127,24 @@ fn the_budget_is_at_least_one_chunk() {
     e.shutdown(false);
     let e = start(0, 0);
     assert_eq!((e.options().prefill_chunk, e.options().max_batched_tokens), (1, 1));
+    e.shutdown(false);
+}
+
+#[test]
+fn step_time_is_counted_by_kind() {
+    let e = start(CHUNK, 4 * CHUNK);
+    e.wait_ready().unwrap();
+    let rx = e.submit(request(0, 2 * CHUNK, 6)).unwrap();
+    assert_eq!(collect(rx).len(), 6);
+    // Two steps of prompt tokens (the second samples the first token), then five of decoding;
+    // each step's time is added once it returns.
+    let st = e.stats();
+    let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (load(&st.decode_steps) < 5 || load(&st.decode_step_micros) == 0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!((load(&st.prefill_steps), load(&st.decode_steps)), (2, 5));
+    assert!(load(&st.prefill_step_micros) > 0 && load(&st.decode_step_micros) > 0);
     e.shutdown(false);
 }
