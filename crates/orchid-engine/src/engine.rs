@@ -909,7 +909,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
-        // Counted before any token of the step is sent.
+        // Counted before the forward call, so before a prompt's first token is sent.
         let ran = match (budget < full, decoded || !spans.is_empty()) {
             (true, _) => Ran::Prefill,
             (false, true) => Ran::Decode,
