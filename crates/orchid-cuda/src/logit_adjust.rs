@@ -142,13 +142,8 @@ mod tests {
     /// (`apply_logit_adjust`) gives, rows without a list untouched; bad lists are errors.
     #[test]
     fn packed_tables_match_the_reference() {
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move |n: usize| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % n as u64) as usize
-        };
+        let mut rng = orchid_engine::sampling::Rng::new(0x9E37_79B9_7F4A_7C15);
+        let mut next = move |n: usize| (rng.next_u64() % n as u64) as usize;
         let (vocab, bucket) = (500usize, 8usize);
         for case in 0..200 {
             let rows = 1 + next(bucket);

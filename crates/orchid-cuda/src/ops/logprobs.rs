@@ -106,13 +106,8 @@ mod tests {
     /// ids and logits (logit descending, ties to the lower id), signed zeros and repeats included.
     #[test]
     fn sliced_top_lists_match_the_host_order() {
-        let mut seed = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rng = orchid_engine::sampling::Rng::new(0x2545_F491_4F6C_DD1D);
+        let mut next = move |n: u64| rng.next_u64() % n;
         for case in 0..100 {
             let valid = 1 + next(3000) as usize;
             let logits: Vec<f32> = (0..valid)
