@@ -19,9 +19,9 @@
 //! temporaries of both graphs are carved from one arena (`Arena`), which never reuses memory:
 //! the logits the forward graph leaves there are still intact when the sampling graph reads them.
 //! Graphs of different buckets may share one arena (`new_in`): only one step runs at a time, and
-//! a step's temporaries are dead once its tokens are read. Between replays the host does what the captured walk cannot: it makes sure every row's KV blocks exist
-//! and keeps the per-layer cache lengths in step, as the eager decode-rows path would
-//! (`decode_rows`).
+//! a step's temporaries are dead once its tokens are read. Between replays the host does what
+//! the captured walk cannot: it makes sure every row's KV blocks exist and keeps the per-layer
+//! cache lengths in step, as the eager decode-rows path would (`decode_rows`).
 
 use std::sync::Arc;
 

@@ -167,16 +167,22 @@ impl GemmX {
     pub fn xs(&self) -> u64 {
         self.buf.ptr + (self.rows * self.kpad * 2) as u64
     }
+
+    /// Room for `rows` prepared rows of `k` columns read from a row stride of `ldx` floats.
+    fn alloc(c: &Ctx, ldx: usize, rows: usize, k: usize) -> Result<GemmX> {
+        if !k.is_multiple_of(4) || !ldx.is_multiple_of(4) || ldx < k {
+            return Err(Error::Op { op: "gemm", msg: format!("K {k} and the row stride {ldx} must be multiples of 4 (stride ≥ K)") });
+        }
+        let kpad = crate::weights::round_up(k.max(1), crate::weights::K_PAD);
+        let buf = DevBuf::alloc(&c.gpu, rows * kpad * 2 + rows * (kpad / 64) * 4)?;
+        Ok(GemmX { buf, rows, k, kpad })
+    }
 }
 
 /// Prepares `rows` rows of x (f32, row stride `ldx`, `k` columns) for `gemm`.
 pub fn gemm_x(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize) -> Result<GemmX> {
-    if !k.is_multiple_of(4) || !ldx.is_multiple_of(4) || ldx < k {
-        return Err(Error::Op { op: "gemm", msg: format!("K {k} and the row stride {ldx} must be multiples of 4 (stride ≥ K)") });
-    }
-    let kpad = crate::weights::round_up(k.max(1), crate::weights::K_PAD);
-    let buf = DevBuf::alloc(&c.gpu, rows * kpad * 2 + rows * (kpad / 64) * 4)?;
-    let xp = GemmX { buf, rows, k, kpad };
+    let xp = GemmX::alloc(c, ldx, rows, k)?;
+    let kpad = xp.kpad;
     // gemm_xprep: a warp per XP_RUNS runs of 128 columns, 8 warps per block.
     let warps = (rows * kpad / 128).div_ceil(XP_RUNS);
     if warps > 0 {
@@ -191,15 +197,10 @@ pub fn gemm_x(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize) -> Result<Gemm
 /// followed by `gemm_x`. The normalised f32 rows are also written to `y` [rows, k] unless it is 0.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_x_norm(c: &Ctx, x: u64, ldx: usize, rows: usize, k: usize, norm: u64, eps: f32, y: u64) -> Result<GemmX> {
-    if !k.is_multiple_of(4) || !ldx.is_multiple_of(4) || ldx < k {
-        return Err(Error::Op { op: "gemm", msg: format!("K {k} and the row stride {ldx} must be multiples of 4 (stride ≥ K)") });
-    }
-    let kpad = crate::weights::round_up(k.max(1), crate::weights::K_PAD);
-    let buf = DevBuf::alloc(&c.gpu, rows * kpad * 2 + rows * (kpad / 64) * 4)?;
-    let xp = GemmX { buf, rows, k, kpad };
+    let xp = GemmX::alloc(c, ldx, rows, k)?;
     if rows > 0 {
         let (xb, xs) = (xp.xb(), xp.xs());
-        let (ldx32, k32, kpad32) = (ldx as i32, k as i32, kpad as i32);
+        let (ldx32, k32, kpad32) = (ldx as i32, k as i32, xp.kpad as i32);
         c.k("gemm_xprep_norm").launch_raw(&c.gpu, (rows as u32, 1, 1), 256, 0, params!(x, norm, xb, xs, y, ldx32, k32, kpad32, eps))?;
     }
     Ok(xp)
