@@ -54,14 +54,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk_rows(const TopkArgs a
     if (lane == 0 && a.shared) w[a.topk] = sigmoidf_(l[a.E]);
 }
 
-// One block of 1024 threads: offsets = exclusive scan of counts, cursor = offsets, and the
-// grouped-GEMM tile table {expert, first position, count, 0}.
-extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
-    pdl_enter();
-    __shared__ int sc[1024], st[1024];
+// Thread e of a block of 1024 (e < E: expert e with c tokens): the exclusive scans of the counts
+// and of the bn-token tiles over the experts, the expert's tiles {expert, first position, count,
+// 0} written to the grouped-GEMM tile table (and their number by thread 1023). Returns e's first
+// list position. sc, st: 1024 ints of shared memory each.
+DEVI int scan_tiles(int c, int E, int bn, int* sc, int* st, int4* tiles, int* num_tiles) {
     const int e = threadIdx.x;
-    int c = e < a.E ? ((const int*)a.counts)[e] : 0;
-    int nt = (c + a.bn - 1) / a.bn;
+    const int nt = (c + bn - 1) / bn;
     sc[e] = c;
     st[e] = nt;
     __syncthreads();
@@ -72,14 +71,63 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
         st[e] += vt;
         __syncthreads();
     }
-    int off = sc[e] - c, toff = st[e] - nt;
+    const int off = sc[e] - c, toff = st[e] - nt;
+    if (e < E)
+        for (int i = 0; i < nt; ++i) tiles[toff + i] = make_int4(e, off + i * bn, min(bn, c - i * bn), 0);
+    if (e == 1023) *num_tiles = st[1023];
+    return off;
+}
+
+// One block of 1024 threads: offsets = exclusive scan of counts, cursor = offsets, and the
+// grouped-GEMM tile table {expert, first position, count, 0}.
+extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
+    pdl_enter();
+    __shared__ int sc[1024], st[1024];
+    const int e = threadIdx.x;
+    const int c = e < a.E ? ((const int*)a.counts)[e] : 0;
+    const int off = scan_tiles(c, a.E, a.bn, sc, st, (int4*)a.tiles, (int*)a.num_tiles);
     if (e < a.E) {
         ((int*)a.offsets)[e] = off;
         ((int*)a.cursor)[e] = off;
-        for (int i = 0; i < nt; ++i)
-            ((int4*)a.tiles)[toff + i] = make_int4(e, off + i * a.bn, min(a.bn, c - i * a.bn), 0);
     }
-    if (e == 1023) *(int*)a.num_tiles = st[1023];
+}
+
+// The routing of a batch of at most 1024 assignments (T · topk: batched decode) in one block of
+// 1024 threads, with the results of moe_topk + moe_scan + moe_scatter (bit for bit): each warp
+// the top-k of tokens warp, warp + 32, ...; the experts' counts (shared atomics: integers, any
+// order); the scans and the tile table (scan_tiles); then warp 0 places the assignments in
+// ascending order, 32 at a time (lanes with the same expert: rank by lane), so each expert's list
+// holds its tokens in ascending (token, slot) order, as moe_scatter's.
+extern "C" __global__ void __launch_bounds__(1024) moe_route_small(const RouteSmallArgs a) {
+    pdl_enter();
+    __shared__ int s_ids[1024], sc[1024], st[1024], s_cnt[1024];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = a.T * a.topk;
+    s_cnt[threadIdx.x] = 0;
+    for (int t = warp; t < a.T; t += 32)
+        warp_topk((const float*)a.logits + (i64)t * a.ldl, a.E, a.topk, a.renorm, s_ids + t * a.topk, (float*)a.wts + (i64)t * a.topk);
+    __syncthreads();
+    if ((int)threadIdx.x < n) atomicAdd(&s_cnt[s_ids[threadIdx.x]], 1);
+    __syncthreads();
+    const int c = (int)threadIdx.x < a.E ? s_cnt[threadIdx.x] : 0;
+    const int off = scan_tiles(c, a.E, a.bn, sc, st, (int4*)a.tiles, (int*)a.num_tiles);
+    __syncthreads();
+    s_cnt[threadIdx.x] = off;  // now each expert's next list position
+    __syncthreads();
+    if (warp == 0) {
+        for (int i0 = 0; i0 < n; i0 += 32) {
+            const int i = i0 + lane;
+            const int e = i < n ? s_ids[i] : -1 - lane;  // lanes past the end match nobody
+            const unsigned same = __match_any_sync(0xffffffffu, e);
+            const int p = i < n ? s_cnt[e] + __popc(same & ((1u << lane) - 1u)) : 0;
+            __syncwarp();
+            if (i < n) {
+                ((int*)a.assign_tok)[p] = i / a.topk;
+                ((int*)a.slot_pos)[i] = p;
+                if ((same & ((1u << lane) - 1u)) == 0) s_cnt[e] += __popc(same);  // the group's first lane
+            }
+            __syncwarp();
+        }
+    }
 }
 
 // Stable scatter: one block per expert walks all assignments in order, so the list of an expert

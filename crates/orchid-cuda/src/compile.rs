@@ -82,8 +82,6 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gemm_bf16_pair_n128",
             "gemm_xprep",
             "gemm_xprep_norm",
-            "gemm_splitk_reduce",
-            "gemm_splitk_reduce4",
         ],
     },
     KernelFile {
@@ -135,7 +133,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[moe::moe_abi],
         headers: &[],
         source: include_str!("../kernels/moe.cu"),
-        kernels: &["moe_topk", "moe_topk_rows", "moe_scan", "moe_scatter", "moe_combine"],
+        kernels: &["moe_topk", "moe_topk_rows", "moe_scan", "moe_route_small", "moe_scatter", "moe_combine"],
     },
     KernelFile {
         name: "sampling",

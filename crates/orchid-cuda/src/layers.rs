@@ -332,59 +332,36 @@ pub fn moe_into(
         None => gemm_x(c, x.ptr(), h, t, h)?,
     };
     matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), e)?;
-    let ids = DevBuf::alloc(gpu, t * k * 4)?;
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
-    let counts = DevBuf::alloc(gpu, e * 4)?;
-    zero_words(c, counts.ptr, e)?;
-    mo::topk(
-        c,
-        &mo::TopkArgs {
-            logits: logits.ptr(),
-            ids: ids.ptr,
-            wts: wts.ptr,
-            counts: counts.ptr,
-            t: t as i32,
-            e: e as i32,
-            topk: k as i32,
-            renorm: dims.norm_topk_prob as i32,
-            ldl: e as i32,
-            ..Default::default()
-        },
-    )?;
     let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e));
     let max_tiles = (t * k).div_ceil(bn) + e;
-    let offsets = DevBuf::alloc(gpu, e * 4)?;
-    let cursor = DevBuf::alloc(gpu, e * 4)?;
     let tiles = DevBuf::alloc(gpu, max_tiles * 16)?;
     let num_tiles = DevBuf::alloc(gpu, 4)?;
-    mo::scan(
-        c,
-        &mo::ScanArgs {
-            counts: counts.ptr,
-            offsets: offsets.ptr,
-            cursor: cursor.ptr,
-            tiles: tiles.ptr,
-            num_tiles: num_tiles.ptr,
-            e: e as i32,
-            bn: bn as i32,
-            ..Default::default()
-        },
-    )?;
     let assign_tok = DevBuf::alloc(gpu, t * k * 4)?;
     let slot_pos = DevBuf::alloc(gpu, t * k * 4)?;
-    mo::scatter(
-        c,
-        &mo::ScatterArgs {
-            ids: ids.ptr,
-            cursor: cursor.ptr,
-            assign_tok: assign_tok.ptr,
-            slot_pos: slot_pos.ptr,
-            t: t as i32,
-            topk: k as i32,
-            ..Default::default()
-        },
-        e,
-    )?;
+    let (renorm, ldl) = (dims.norm_topk_prob as i32, e as i32);
+    if t * k <= mo::ROUTE_SMALL_MAX {
+        // Batched decode: top-k, counts, tile table and lists in one launch.
+        mo::route_small(
+            c,
+            &mo::RouteSmallArgs {
+                logits: logits.ptr(),
+                wts: wts.ptr,
+                tiles: tiles.ptr,
+                num_tiles: num_tiles.ptr,
+                assign_tok: assign_tok.ptr,
+                slot_pos: slot_pos.ptr,
+                t: t as i32,
+                e: e as i32,
+                topk: k as i32,
+                renorm,
+                ldl,
+                bn: bn as i32,
+            },
+        )?;
+    } else {
+        mo::route_chain(c, logits.ptr(), t, e, k, renorm, bn, wts.ptr, tiles.ptr, num_tiles.ptr, assign_tok.ptr, slot_pos.ptr)?;
+    }
     let inter = w.experts.gate.rows;
     let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };

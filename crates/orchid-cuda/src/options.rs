@@ -42,8 +42,12 @@ impl Default for CudaOptions {
 pub struct Tuning {
     /// Decode matvec blocks per SM assumed by the one-wave launch shapes (1..=3: registers).
     pub gemv_per_sm: usize,
-    /// Warps per 16-row tile of `moe_up` (0: by K, `ops::moe_decode::moe_up_ksplit`; at most 8).
+    /// Warps per 16-row tile of `moe_up` (0: by K, `ops::moe_decode::moe_up_ksplit`, and for several
+    /// tokens by the grid, `rows_ksplit`; at most 8).
     pub moe_up_ksplit: usize,
+    /// Warps per 16-row tile of `moe_down_rows` (0: by the grid, `ops::moe_decode::rows_ksplit`;
+    /// at most 8); the one-token `moe_down` always takes 8.
+    pub moe_down_ksplit: usize,
     /// K parts of the decode router matvec (1..=`ops::gemv::ROUTER_KPARTS`).
     pub router_kparts: usize,
     /// Splits of the decode attention inside the CUDA graph (1..=`ops::attention::MAX_SPLITS`).
@@ -73,6 +77,7 @@ impl Default for Tuning {
         Tuning {
             gemv_per_sm: 3,
             moe_up_ksplit: 0,
+            moe_down_ksplit: 0,
             router_kparts: 8,
             attn_splits: 64,
             attn_min_tiles: 8,
@@ -91,6 +96,7 @@ impl Tuning {
         Tuning {
             gemv_per_sm: self.gemv_per_sm.clamp(1, crate::ops::gemv::GEMV_BLOCKS_PER_SM),
             moe_up_ksplit: self.moe_up_ksplit.min(8),
+            moe_down_ksplit: self.moe_down_ksplit.min(8),
             router_kparts: self.router_kparts.clamp(1, crate::ops::gemv::ROUTER_KPARTS),
             attn_splits: self.attn_splits.clamp(1, crate::ops::attention::MAX_SPLITS),
             attn_min_tiles: self.attn_min_tiles.min(4096),
@@ -114,6 +120,7 @@ mod tests {
         let wild = Tuning {
             gemv_per_sm: 9,
             moe_up_ksplit: 99,
+            moe_down_ksplit: 99,
             router_kparts: 0,
             attn_splits: 1 << 20,
             attn_min_tiles: 1 << 20,
@@ -125,7 +132,7 @@ mod tests {
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
-        assert_eq!(c.gdn_rows_kernel, 4096);
+        assert_eq!((c.gdn_rows_kernel, c.moe_down_ksplit), (4096, 8));
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);
         assert_eq!(c.gemm_kparts_max, 1);
         let many = Tuning { gemm_kparts_max: 1000, ..Tuning::default() }.clamped();

@@ -125,8 +125,7 @@ fn gemm_parts(
 /// Split-K dense GEMMs (batched decode: 16–64 tokens) in both formats: against the CPU (strict,
 /// as `matmul_q4_and_bf16`), against the one-pass GEMM (only the summation order differs),
 /// bit-identical from run to run, through `matmul` (the rule's parts) and `matmul_add` (the
-/// reduction adds onto the residual). N = 1001 takes the one-output-per-thread reduction and a
-/// partial row block, N = 2048 and 520 the 4-output one.
+/// sum of the parts adds onto the residual). N = 1001 has a partial row block.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_split_k() {
@@ -160,8 +159,8 @@ fn matmul_split_k() {
                 let gy2 = host(&g, &g.matmul(&gx, &gw).unwrap());
                 report(&format!("split-K matmul strict {tag}"), rel_l2(&gy, &strict), 1e-4);
                 report_same(&format!("split-K matmul run to run {tag}"), &gy, &gy2);
-                // matmul_add: the residual plus the products (the reduction adds where the rule
-                // splits, else the product then add_assign); and the accumulating reduction
+                // matmul_add: the residual plus the products (the parts' sum adds where the rule
+                // splits, else the product then add_assign); and the accumulating sum
                 // with 3 parts explicitly.
                 let r = rng.vec(t * n, 1.0);
                 let want: Vec<f32> = r.iter().zip(&strict).map(|(a, b)| a + b).collect();
@@ -186,6 +185,10 @@ fn matmul_split_k() {
             }
         }
     }
+    // Every tile's last block reset its arrival counter: all zero for the next split GEMM.
+    let mut counters = vec![0u8; g.ctx.splitk_counters.bytes];
+    g.ctx.splitk_counters.download(0, &mut counters).unwrap();
+    report("split-K arrival counters back to zero", if counters.iter().all(|&b| b == 0) { 0.0 } else { f64::INFINITY }, 0.0);
 }
 
 /// The GEMM path's normalising preparation (`gemm_x_norm`: a block's input projections) gives the
@@ -792,6 +795,62 @@ fn deltanet_decode_rows_vs_cpu() {
         }
         let spans: Vec<_> = [4, 2].iter().map(|&i| (seqs[i].0, seqs[i].1, seqs[i].2 + 3, 1)).collect();
         step(&spans, "2 rows", &mut cst, &mut gst);
+    }
+}
+
+/// The one-launch routing of batched decode (`route_small`) gives the bits of the prefill chain
+/// (top-k, scan, scatter): routing weights, tile table and lists, with ties in the logits and
+/// up to the full 1024 assignments.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn moe_route_small_equals_chain() {
+    use orchid_cuda::ops::moe as mo;
+    let g = gpu();
+    let mut rng = Rng::new(22);
+    let words = |b: &orchid_cuda::driver::DevBuf, n: usize| {
+        let mut v = vec![0u8; n * 4];
+        b.download(0, &mut v).unwrap();
+        v.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>()
+    };
+    for &(e, k) in &[(256usize, 8usize), (512, 10), (16, 4)] {
+        for &t in &[1usize, 9, 16, 33, 64, 102, 128, 256] {
+            if t * k > mo::ROUTE_SMALL_MAX {
+                continue;
+            }
+            // Coarse logits (multiples of 1/8): many ties, broken towards the lower id.
+            let logits: Vec<f32> = rng.vec(t * e, 2.0).iter().map(|v| (v * 8.0).round() / 8.0).collect();
+            let gl = up(&g, t, e, &logits);
+            let bn = 32;
+            let max_tiles = (t * k).div_ceil(bn) + e;
+            let alloc = |words: usize| orchid_cuda::driver::DevBuf::zeros(&g.ctx.gpu, words * 4).unwrap();
+            let run = |small: bool| {
+                let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(t * k), alloc(t * k));
+                if small {
+                    let a = mo::RouteSmallArgs {
+                        logits: gl.ptr(),
+                        wts: wts.ptr,
+                        tiles: tiles.ptr,
+                        num_tiles: num.ptr,
+                        assign_tok: at.ptr,
+                        slot_pos: sp.ptr,
+                        t: t as i32,
+                        e: e as i32,
+                        topk: k as i32,
+                        renorm: 1,
+                        ldl: e as i32,
+                        bn: bn as i32,
+                    };
+                    mo::route_small(&g.ctx, &a).unwrap();
+                } else {
+                    mo::route_chain(&g.ctx, gl.ptr(), t, e, k, 1, bn, wts.ptr, tiles.ptr, num.ptr, at.ptr, sp.ptr).unwrap();
+                }
+                let n = words(&num, 1)[0] as usize;
+                (words(&wts, t * k), words(&tiles, 4 * n.min(max_tiles)), n, words(&at, t * k), words(&sp, t * k))
+            };
+            let (a, b) = (run(true), run(false));
+            let same = a == b && a.2 > 0;
+            report(&format!("route_small = topk + scan + scatter E={e} k={k} T={t}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
+        }
     }
 }
 

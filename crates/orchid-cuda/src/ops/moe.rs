@@ -3,6 +3,8 @@
 use orchid_model::error::Result;
 
 use super::Ctx;
+use super::elementwise::zero_words;
+use crate::driver::DevBuf;
 
 crate::kernel_abi! {
     pub fn moe_abi;
@@ -46,6 +48,21 @@ crate::kernel_abi! {
         pad1: i32,
     }
     #[derive(Clone, Copy, Default)]
+    struct RouteSmallArgs {
+        logits: u64,
+        wts: u64,
+        tiles: u64,
+        num_tiles: u64,
+        assign_tok: u64,
+        slot_pos: u64,
+        t: i32 => "T",
+        e: i32 => "E",
+        topk: i32,
+        renorm: i32,
+        ldl: i32,
+        bn: i32,
+    }
+    #[derive(Clone, Copy, Default)]
     struct CombineArgs {
         y: u64,
         wts: u64,
@@ -82,6 +99,64 @@ pub fn scatter(c: &Ctx, a: &ScatterArgs, e: usize) -> Result<()> {
     c.k("moe_scatter").launch(&c.gpu, (e as u32, 1, 1), 256, 0, a)
 }
 
+/// The routing of any number of tokens (prompt chunks) in four launches: top-k with the experts'
+/// counts, their scan into offsets and the tile table, the stable scatter into the lists.
+#[allow(clippy::too_many_arguments)]
+pub fn route_chain(
+    c: &Ctx,
+    logits: u64,
+    t: usize,
+    e: usize,
+    k: usize,
+    renorm: i32,
+    bn: usize,
+    wts: u64,
+    tiles: u64,
+    num_tiles: u64,
+    assign_tok: u64,
+    slot_pos: u64,
+) -> Result<()> {
+    let ids = DevBuf::alloc(&c.gpu, t * k * 4)?;
+    let counts = DevBuf::alloc(&c.gpu, e * 4)?;
+    zero_words(c, counts.ptr, e)?;
+    let (t32, e32, k32) = (t as i32, e as i32, k as i32);
+    topk(
+        c,
+        &TopkArgs { logits, ids: ids.ptr, wts, counts: counts.ptr, t: t32, e: e32, topk: k32, renorm, ldl: e32, ..Default::default() },
+    )?;
+    let offsets = DevBuf::alloc(&c.gpu, e * 4)?;
+    let cursor = DevBuf::alloc(&c.gpu, e * 4)?;
+    scan(
+        c,
+        &ScanArgs {
+            counts: counts.ptr,
+            offsets: offsets.ptr,
+            cursor: cursor.ptr,
+            tiles,
+            num_tiles,
+            e: e32,
+            bn: bn as i32,
+            ..Default::default()
+        },
+    )?;
+    scatter(c, &ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok, slot_pos, t: t32, topk: k32, ..Default::default() }, e)
+}
+
+/// Most assignments (tokens x top-k) `route_small` takes: one per thread of its block.
+pub const ROUTE_SMALL_MAX: usize = 1024;
+
+/// The routing of at most `ROUTE_SMALL_MAX` assignments (batched decode) in one launch: the
+/// weights, tile table and lists of `topk` + `scan` + `scatter`, bit for bit.
+pub fn route_small(c: &Ctx, a: &RouteSmallArgs) -> Result<()> {
+    if a.t as usize * a.topk as usize > ROUTE_SMALL_MAX || a.e > 1024 {
+        return Err(orchid_model::error::Error::Op {
+            op: "moe route_small",
+            msg: format!("{} tokens x top-{} over {} experts (at most {ROUTE_SMALL_MAX} assignments)", a.t, a.topk, a.e),
+        });
+    }
+    c.k("moe_route_small").launch(&c.gpu, (1, 1, 1), 1024, 0, a)
+}
+
 pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {
     c.k("moe_combine").launch(&c.gpu, (a.t as u32, 1, 1), 256, 0, a)
 }
@@ -94,5 +169,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::ScanArgs>(), 56);
         assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 48);
         assert_eq!(std::mem::size_of::<super::CombineArgs>(), 72);
+        assert_eq!(std::mem::size_of::<super::RouteSmallArgs>(), 72);
     }
 }

@@ -14,6 +14,20 @@ pub fn moe_up_ksplit(nunits: usize) -> usize {
     nunits.div_ceil(2).next_power_of_two().clamp(1, 8)
 }
 
+/// Warps per 16-row tile of the several-token kernels (`moe_up_rows`, `moe_down_rows`): `ks`
+/// halved while the grid (`tiles` per source, `8 / ks` tiles per block, `others` = sources x
+/// tokens) is more than one wave of `resident` blocks. A block stages its token's activations
+/// once for all its tiles, so fewer, longer blocks stage less and keep the weight rings full
+/// (measured: 4 tokens best at 288 blocks of two warps per tile, 8 tokens at one).
+pub fn rows_ksplit(ks: usize, tiles: usize, others: usize, resident: usize) -> usize {
+    let blocks = |ks: usize| tiles.div_ceil(8 / ks) * others;
+    let mut ks = ks.clamp(1, 8);
+    while ks > 1 && blocks(ks) > resident {
+        ks /= 2;
+    }
+    ks
+}
+
 crate::kernel_abi! {
     pub fn moe_decode_abi;
     #[derive(Clone, Copy, Default)]
@@ -203,10 +217,14 @@ fn moe_up_impl(
         0 => moe_up_ksplit(units_of(fmt, kpad)),
         k => k.next_power_of_two(),
     };
-    a.ksplit = ks as i32;
     let tiles = m.hstride().div_ceil(16);
     let nsrc = m.topk + a.has_shared as usize;
     let smem = ring_bytes(fmt) + x_stage_bytes(fmt, kpad) + (kpad / 64) * 4 + 8 * 32 * 8 * 4;
+    let ks = match rows {
+        Some(r) if c.tuning.moe_up_ksplit == 0 => rows_ksplit(ks, tiles, nsrc * r, gemv_resident(c, smem)),
+        _ => ks,
+    };
+    a.ksplit = ks as i32;
     let mut name = if fmt == WFormat::Q4 { "moe_up_q4" } else { "moe_up_bf16" };
     if let Some(r) = route {
         a.router_w = r.router.w_ptr();
@@ -256,17 +274,23 @@ fn moe_down_impl(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u6
         a.is = d.cols as i32;
         a.has_shared = 1;
     }
-    a.ksplit = 8;
     let nsrc = m.topk + a.has_shared as usize;
     let kmax = (a.kpad_r.max(a.kpad_s)) as usize;
     let smem = ring_bytes(fmt) + nsrc * x_stage_bytes(fmt, kmax) + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
+    let tiles = hdim.div_ceil(16);
+    let ks = match (rows, c.tuning.moe_down_ksplit) {
+        (Some(_), k) if k > 0 => k.next_power_of_two().min(8),
+        (Some(r), _) => rows_ksplit(8, tiles, r, gemv_resident(c, smem)),
+        (None, _) => 8,
+    };
+    a.ksplit = ks as i32;
     let name = match (fmt, rows.is_some()) {
         (WFormat::Q4, false) => "moe_down_q4",
         (WFormat::Bf16, false) => "moe_down_bf16",
         (WFormat::Q4, true) => "moe_down_rows_q4",
         (WFormat::Bf16, true) => "moe_down_rows_bf16",
     };
-    c.k(name).launch(&c.gpu, (hdim.div_ceil(16) as u32, rows.unwrap_or(1) as u32, 1), 256, smem as u32, &a)
+    c.k(name).launch(&c.gpu, (tiles.div_ceil(8 / ks) as u32, rows.unwrap_or(1) as u32, 1), 256, smem as u32, &a)
 }
 
 #[cfg(test)]
@@ -285,5 +309,24 @@ mod tests {
         assert_eq!(moe_up_ksplit(4), 2);
         assert_eq!(moe_up_ksplit(1), 1);
         assert_eq!(moe_up_ksplit(64), 8); // bf16 K = 2048: 64 units, four batches
+    }
+
+    #[test]
+    fn rows_split() {
+        // Qwen3.6-35B-A3B's moe_up on 132 SMs x 3 blocks: 32 tiles, 9 sources.
+        let up = |rows: usize| rows_ksplit(8, 32, 9 * rows, 396);
+        assert_eq!((up(1), up(2), up(4), up(8), up(64)), (8, 4, 2, 1, 1));
+        // moe_down: 128 tiles of the 2048 outputs, one token per grid row.
+        let down = |rows: usize| rows_ksplit(8, 128, rows, 264);
+        assert_eq!((down(1), down(2), down(4), down(8)), (8, 8, 4, 2));
+        // Never above 8 or below 1, and the grid within a wave wherever one warp per tile allows.
+        for ks in [0, 1, 2, 4, 8, 16] {
+            for tiles in [1, 7, 32, 128] {
+                for others in [1, 9, 72] {
+                    let k = rows_ksplit(ks, tiles, others, 396);
+                    assert!((1..=8).contains(&k) && (k == 1 || tiles.div_ceil(8 / k) * others <= 396));
+                }
+            }
+        }
     }
 }

@@ -8,7 +8,7 @@
 //! - `ORCHID_CUDA_HOME`, `CUDA_HOME`, `CUDA_PATH`: CUDA toolkit folders (NVRTC, headers), tried
 //!   before `/usr/local/cuda`; `ORCHID_CUDA_INCLUDE`: header folders (a path list).
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
-//!   MOE_UP_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES, ATTN_PREFILL_SPLITS (1: no
+//!   MOE_UP_KSPLIT, MOE_DOWN_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES, ATTN_PREFILL_SPLITS (1: no
 //!   split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS, GEMM_KPARTS_MAX (1: no split-K
 //!   GEMMs)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
@@ -53,6 +53,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
             tuning: orchid_cuda::Tuning {
                 gemv_per_sm: tune("GEMV_PER_SM", t.gemv_per_sm),
                 moe_up_ksplit: tune("MOE_UP_KSPLIT", t.moe_up_ksplit),
+                moe_down_ksplit: tune("MOE_DOWN_KSPLIT", t.moe_down_ksplit),
                 router_kparts: tune("ROUTER_KPARTS", t.router_kparts),
                 attn_splits: tune("ATTN_SPLITS", t.attn_splits),
                 attn_min_tiles: tune("ATTN_MIN_TILES", t.attn_min_tiles),
