@@ -25,11 +25,9 @@
 //
 // Split-K (dense GEMMs whose weight rows alone leave SMs idle, ops::gemm_kparts): grid.z = K
 // parts; block z sums its share of the k-steps from zero and writes its f32 partial sums (PAIR:
-// gate and up apart) to part z of a scratch matrix, then counts itself in on the tile's arrival
-// counter; the tile's last block adds the parts in the order 0, 1, ... (whichever block is last:
-// bit-identical runs) and writes the outputs, or adds them onto them, and resets the counter for
-// the next split GEMM on the stream. The Q4 group-sum term is per 64-group, so it splits with
-// the k-steps.
+// gate and up apart) to part z of a scratch matrix; gemm_splitk_reduce adds the parts in the
+// order 0, 1, ... (no atomics: bit-identical runs) and writes the outputs or adds them onto out.
+// The Q4 group-sum term is per 64-group, so it splits with the k-steps.
 
 #define BM 128
 #define BK 128
@@ -242,14 +240,6 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
     }
 }
 
-// Σ_z p[z · ps] over z = 0 .. kparts − 1 in that order (loads in flight together, adds in order).
-DEVI float sum_parts(const float* p, i64 ps, int kparts) {
-    float s = __ldcg(p);
-#pragma unroll 4
-    for (int z = 1; z < kparts; ++z) s += __ldcg(p + z * ps);
-    return s;
-}
-
 template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
     pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
@@ -439,7 +429,8 @@ DEVI void gemm_body(const GemmArgs& a) {
     __syncthreads();
     // Thread: output row m0 + r for tokens tk0, tk0 + TSTEP, ... of the tile (PAIR: silu of gate
     // tile row r times up tile row 64 + r). Split-K: the part's sums go to its partial matrix
-    // [T][ldo] (part z at z · T · ldo), PAIR's gate and up sums apart (up at column ldo / 2 + m).
+    // [T][ldo] (part z at z · T · ldo), PAIR's gate and up sums apart (up at column ldo / 2 + m),
+    // for gemm_splitk_reduce.
     constexpr int TSTEP = 256 / OUTW;
     const int r = threadIdx.x % OUTW, nst = min(count, BN);
     const bool split = gridDim.z > 1;
@@ -455,33 +446,6 @@ DEVI void gemm_body(const GemmArgs& a) {
             // a.acc (one pass, not PAIR): the residual plus the product, as add_assign adds.
             o[(i64)tk * a.ldo] = a.acc ? o[(i64)tk * a.ldo] + v : v;
         }
-    }
-    if (!split) return;
-    // Split-K: the tile's last block to arrive sums the parts (the counters are zero between
-    // launches: the last block resets its tile's).
-    __shared__ int s_last;
-    __threadfence();  // this block's partials visible before it counts itself in
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* cnt = (int*)a.counters + (i64)blockIdx.y * gridDim.x + blockIdx.x;
-        s_last = atomicAdd(cnt, 1) == (int)gridDim.z - 1;
-        if (s_last) *cnt = 0;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    if (r >= mrem) return;
-    const i64 ps = (i64)a.T * a.ldo;  // floats per part
-    const float* p = (const float*)a.out + (i64)start * a.ldo + m0 + r;
-    float* f = (float*)a.fin + (i64)start * a.ldf + m0 + r;
-    for (int tk = threadIdx.x / OUTW; tk < nst; tk += TSTEP) {
-        float v = sum_parts(p + (i64)tk * a.ldo, ps, gridDim.z);
-        if (PAIR) {
-            const float u = sum_parts(p + (i64)tk * a.ldo + a.ldo / 2, ps, gridDim.z);
-            v = v / (1.f + expf(-v)) * u;
-        }
-        // a.facc: the residual plus the product, as add_assign adds.
-        f[(i64)tk * a.ldf] = a.facc ? f[(i64)tk * a.ldf] + v : v;
     }
 }
 
@@ -500,3 +464,52 @@ GEMM_KERNEL(gemm_bf16_n64, FMT_BF16, 64, false, 2)
 GEMM_KERNEL(gemm_bf16_n128, FMT_BF16, 128, false, 1)
 GEMM_KERNEL(gemm_bf16_pair_n64, FMT_BF16, 64, true, 2)
 GEMM_KERNEL(gemm_bf16_pair_n128, FMT_BF16, 128, true, 1)
+
+// Split-K reduction: out[n, m] = Σ_z part[z][n][m] for m < M, summed in the order z = 0, 1, ...,
+// kparts − 1 (so every run gives the same bits), then out[n, m] + that sum where acc (a residual
+// add, as add_assign would do it). part: f32 [kparts][T][ldp]; PAIR: silu(Σ gate) · Σ up, the up
+// partials at column ldp / 2 + m. gemm_splitk_reduce4: a thread per 4 consecutive outputs of a
+// row (M and ldo multiples of 4, out 16-byte aligned; ldp always is a multiple of 4);
+// gemm_splitk_reduce: a thread per output. grid (ceil(M / V / 256), T) (ops::gemm).
+// Σ_z p[z · ps] over z = 0 .. kparts − 1 in that order (loads in flight together, adds in order).
+DEVI void sum_parts(const float* p, i64 ps, int kparts, float& s) {
+    s = __ldcg(p);
+#pragma unroll 4
+    for (int z = 1; z < kparts; ++z) s += __ldcg(p + z * ps);
+}
+DEVI void sum_parts(const float* p, i64 ps, int kparts, float4& s) {
+    s = ldcg4(p);
+#pragma unroll 4
+    for (int z = 1; z < kparts; ++z) {
+        const float4 v = ldcg4(p + z * ps);
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+    }
+}
+DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+DEVI float4 silu_times(float4 g, float4 u) {
+    return make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
+}
+DEVI float plus(float a, float b) { return a + b; }
+DEVI float4 plus(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+
+// F: float (a thread per output) or float4 (per 4 consecutive outputs of a row).
+template <typename F>
+DEVI void splitk_reduce(const SplitkArgs& a) {
+    pdl_enter();
+    constexpr int V = sizeof(F) / 4;
+    const int n = blockIdx.y, m = (blockIdx.x * 256 + threadIdx.x) * V;
+    if (m >= a.M) return;
+    const i64 ps = (i64)a.T * a.ldp;  // floats per part
+    const float* p = (const float*)a.part + (i64)n * a.ldp + m;
+    F v;
+    sum_parts(p, ps, a.kparts, v);
+    if (a.pair) {
+        F u;
+        sum_parts(p + a.ldp / 2, ps, a.kparts, u);
+        v = silu_times(v, u);
+    }
+    F* o = (F*)((float*)a.out + (i64)n * a.ldo + m);
+    *o = a.acc ? plus(*o, v) : v;
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_splitk_reduce(const SplitkArgs a) { splitk_reduce<float>(a); }
+extern "C" __global__ void __launch_bounds__(256) gemm_splitk_reduce4(const SplitkArgs a) { splitk_reduce<float4>(a); }

@@ -82,6 +82,8 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gemm_bf16_pair_n128",
             "gemm_xprep",
             "gemm_xprep_norm",
+            "gemm_splitk_reduce",
+            "gemm_splitk_reduce4",
         ],
     },
     KernelFile {

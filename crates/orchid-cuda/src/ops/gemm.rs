@@ -28,10 +28,6 @@ crate::kernel_abi! {
         out: u64,
         tiles: u64,
         num_tiles: u64,
-        /// Split-K: the outputs [T, ldf] the tile's last block writes (`out` holds the parts),
-        /// and the tiles' arrival counters (`Ctx::splitk_counters`).
-        fin: u64,
-        counters: u64,
         m: i32 => "M",
         rows_e: i32,
         k: i32 => "K",
@@ -40,15 +36,25 @@ crate::kernel_abi! {
         t: i32 => "T",
         /// One pass (not PAIR): add the products onto `out` instead of storing them.
         acc: i32,
-        ldf: i32,
-        /// Split-K: add the sums onto `fin` instead of storing them.
-        facc: i32,
         pad1: i32,
+    }
+    #[derive(Clone, Copy, Default)]
+    struct SplitkArgs {
+        /// f32 partial sums [kparts][T][ldp] (PAIR: gate columns [0, ldp / 2), up from ldp / 2).
+        part: u64,
+        out: u64,
+        t: i32 => "T",
+        m: i32 => "M",
+        ldp: i32,
+        ldo: i32,
+        kparts: i32,
+        pair: i32,
+        /// Add onto out (out + Σ) instead of writing it.
+        acc: i32,
+        pad0: i32,
     }
 }
 
-/// Tiles (row blocks x token tiles) a split-K GEMM may have: the arrival counters `Ctx` keeps.
-pub const SPLITK_TILES: usize = 1 << 16;
 /// Most K parts of a split-K GEMM (the range of `Tuning::gemm_kparts_max`).
 pub const GEMM_KPARTS_MAX: usize = 16;
 /// Fewest k-steps (of 128 columns) per K part: a part still fills the cp.async pipeline (S − 1 ≤
@@ -221,7 +227,7 @@ pub fn gemm(
 
 /// A dense `gemm` in `kparts` K parts (1: one pass; more: split-K, at most one part per
 /// k-step), whatever `gemm_kparts` says; `accumulate` adds the products onto `out` (in the
-/// one pass's store, or in the split-K sum of the parts; not for a pair). For `matmul_add` and the tests.
+/// one pass's store, or in the split-K reduction; not for a pair). For `matmul_add` and the tests.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_split(
     c: &Ctx,
@@ -282,12 +288,10 @@ fn gemm_launch(
     if accumulate && pair {
         return Err(Error::Op { op: "gemm", msg: "a gate/up pair does not accumulate".into() });
     }
-    // Split-K: the parts' partial sums [kparts][t][ldp] (PAIR: gate, then up), which the tile's
-    // last block sums.
-    let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
-    if kparts > 1 && gx * gy > SPLITK_TILES {
-        return Err(Error::Op { op: "gemm", msg: format!("split-K over {gx} x {gy} tiles (at most {SPLITK_TILES})") });
+    if kparts > 1 && t > 65535 {
+        return Err(Error::Op { op: "gemm", msg: format!("split-K over {t} tokens (at most 65535: the reduction's grid)") });
     }
+    // Split-K: the parts' partial sums [kparts][t][ldp] (PAIR: gate, then up), reduced below.
     let ldp = w.rows.next_multiple_of(4) * if pair { 2 } else { 1 };
     let scratch = if kparts > 1 { Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?) } else { None };
     let a = GemmArgs {
@@ -301,8 +305,6 @@ fn gemm_launch(
         out: scratch.as_ref().map_or(out, |b| b.ptr),
         tiles: grouped.as_ref().map_or(0, |g| g.tiles),
         num_tiles: grouped.as_ref().map_or(0, |g| g.num_tiles),
-        fin: out,
-        counters: c.splitk_counters.ptr,
         m: w.rows as i32,
         rows_e: w.rows_pad as i32,
         k: w.cols as i32,
@@ -310,12 +312,28 @@ fn gemm_launch(
         ldo: if kparts > 1 { ldp } else { ldo } as i32,
         t: t as i32,
         acc: (accumulate && kparts == 1) as i32,
-        ldf: ldo as i32,
-        facc: accumulate as i32,
         pad1: 0,
     };
     let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
-    c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)
+    let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
+    c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
+    let Some(part) = scratch else { return Ok(()) };
+    let vec = w.rows.is_multiple_of(4) && ldo.is_multiple_of(4) && out.is_multiple_of(16);
+    let r = SplitkArgs {
+        part: part.ptr,
+        out,
+        t: t as i32,
+        m: w.rows as i32,
+        ldp: ldp as i32,
+        ldo: ldo as i32,
+        kparts: kparts as i32,
+        pair: pair as i32,
+        acc: accumulate as i32,
+        pad0: 0,
+    };
+    let threads = if vec { w.rows / 4 } else { w.rows };
+    let name = if vec { "gemm_splitk_reduce4" } else { "gemm_splitk_reduce" };
+    c.k(name).launch(&c.gpu, (threads.div_ceil(256) as u32, t as u32, 1), 256, 0, &r)
 }
 
 /// x·Wᵀ for any number of tokens: matvec kernels for few tokens (`use_gemv`), GEMMs beyond.
@@ -329,7 +347,7 @@ pub fn matmul(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ld
 }
 
 /// out += x·Wᵀ (out: `t` rows of stride `ldo`) as a GEMM that adds onto out, in its store or in
-/// its split-K sum of the parts (`dense_kparts`): no product matrix, no separate add. For the tokens a
+/// its split-K reduction (`dense_kparts`): no product matrix, no separate add. For the tokens a
 /// GEMM takes (not `use_gemv`).
 pub fn matmul_add(c: &Ctx, w: &GpuLinear, x: u64, ldx: usize, t: usize, out: u64, ldo: usize) -> Result<()> {
     let kparts = dense_kparts(c, w, false, t);
@@ -354,7 +372,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 136);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 112);
     }
 
     #[test]
