@@ -29,7 +29,7 @@ DEVI void warp_topk(const float* logits, int E, int topk, int renorm, int* ids, 
     }
 }
 
-// grid = ceil(T/4), block 128: one warp per token.
+// grid = ceil(T/4), block 128: one warp per token. The experts' counts only where `counts` is set.
 extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
     pdl_enter();
     const int t = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
     float* w = (float*)a.wts + (i64)t * a.topk;
     warp_topk((const float*)a.logits + (i64)t * a.ldl, a.E, a.topk, a.renorm, ids, w);
     __syncwarp();
-    if (lane < a.topk) atomicAdd((int*)a.counts + ids[lane], 1);
+    if (a.counts && lane < a.topk) atomicAdd((int*)a.counts + ids[lane], 1);
 }
 
 // Top-k of each token for the per-token expert kernels (moe_decode.cu *_rows): a warp per
@@ -92,19 +92,17 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
     }
 }
 
-// The routing of a batch of at most 1024 assignments (T · topk: batched decode) in one block of
-// 1024 threads, with the results of moe_topk + moe_scan + moe_scatter (bit for bit): each warp
-// the top-k of tokens warp, warp + 32, ...; the experts' counts (shared atomics: integers, any
-// order); the scans and the tile table (scan_tiles); then warp 0 places the assignments in
-// ascending order, 32 at a time (lanes with the same expert: rank by lane), so each expert's list
-// holds its tokens in ascending (token, slot) order, as moe_scatter's.
-extern "C" __global__ void __launch_bounds__(1024) moe_route_small(const RouteSmallArgs a) {
+// The lists of at most 1024 assignments (T · topk, batched decode; ids from moe_topk) in one
+// block of 1024 threads, with the results of moe_scan + moe_scatter (bit for bit): the experts'
+// counts (shared atomics: integers, any order), the scans and the tile table (scan_tiles), then
+// warp 0 places the assignments in ascending order, 32 at a time (lanes with the same expert
+// ranked by lane), so each expert's list holds its tokens in ascending (token, slot) order.
+extern "C" __global__ void __launch_bounds__(1024) moe_lists(const ListsArgs a) {
     pdl_enter();
     __shared__ int s_ids[1024], sc[1024], st[1024], s_cnt[1024];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = a.T * a.topk;
+    const int lane = threadIdx.x & 31, n = a.T * a.topk;
     s_cnt[threadIdx.x] = 0;
-    for (int t = warp; t < a.T; t += 32)
-        warp_topk((const float*)a.logits + (i64)t * a.ldl, a.E, a.topk, a.renorm, s_ids + t * a.topk, (float*)a.wts + (i64)t * a.topk);
+    if ((int)threadIdx.x < n) s_ids[threadIdx.x] = ((const int*)a.ids)[threadIdx.x];
     __syncthreads();
     if ((int)threadIdx.x < n) atomicAdd(&s_cnt[s_ids[threadIdx.x]], 1);
     __syncthreads();
@@ -113,20 +111,19 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_small(const RouteSm
     __syncthreads();
     s_cnt[threadIdx.x] = off;  // now each expert's next list position
     __syncthreads();
-    if (warp == 0) {
-        for (int i0 = 0; i0 < n; i0 += 32) {
-            const int i = i0 + lane;
-            const int e = i < n ? s_ids[i] : -1 - lane;  // lanes past the end match nobody
-            const unsigned same = __match_any_sync(0xffffffffu, e);
-            const int p = i < n ? s_cnt[e] + __popc(same & ((1u << lane) - 1u)) : 0;
-            __syncwarp();
-            if (i < n) {
-                ((int*)a.assign_tok)[p] = i / a.topk;
-                ((int*)a.slot_pos)[i] = p;
-                if ((same & ((1u << lane) - 1u)) == 0) s_cnt[e] += __popc(same);  // the group's first lane
-            }
-            __syncwarp();
+    if (threadIdx.x >= 32) return;
+    for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        const int e = i < n ? s_ids[i] : -1 - lane;  // lanes past the end match nobody
+        const unsigned same = __match_any_sync(0xffffffffu, e), before = same & ((1u << lane) - 1u);
+        const int p = i < n ? s_cnt[e] + __popc(before) : 0;
+        __syncwarp();
+        if (i < n) {
+            ((int*)a.assign_tok)[p] = i / a.topk;
+            ((int*)a.slot_pos)[i] = p;
+            if (before == 0) s_cnt[e] += __popc(same);  // the group's first lane
         }
+        __syncwarp();
     }
 }
 

@@ -135,7 +135,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         abi: &[moe::moe_abi],
         headers: &[],
         source: include_str!("../kernels/moe.cu"),
-        kernels: &["moe_topk", "moe_topk_rows", "moe_scan", "moe_route_small", "moe_scatter", "moe_combine"],
+        kernels: &["moe_topk", "moe_topk_rows", "moe_scan", "moe_lists", "moe_scatter", "moe_combine"],
     },
     KernelFile {
         name: "sampling",

@@ -339,29 +339,10 @@ pub fn moe_into(
     let num_tiles = DevBuf::alloc(gpu, 4)?;
     let assign_tok = DevBuf::alloc(gpu, t * k * 4)?;
     let slot_pos = DevBuf::alloc(gpu, t * k * 4)?;
-    let (renorm, ldl) = (dims.norm_topk_prob as i32, e as i32);
-    if t * k <= mo::ROUTE_SMALL_MAX {
-        // Batched decode: top-k, counts, tile table and lists in one launch.
-        mo::route_small(
-            c,
-            &mo::RouteSmallArgs {
-                logits: logits.ptr(),
-                wts: wts.ptr,
-                tiles: tiles.ptr,
-                num_tiles: num_tiles.ptr,
-                assign_tok: assign_tok.ptr,
-                slot_pos: slot_pos.ptr,
-                t: t as i32,
-                e: e as i32,
-                topk: k as i32,
-                renorm,
-                ldl,
-                bn: bn as i32,
-            },
-        )?;
-    } else {
-        mo::route_chain(c, logits.ptr(), t, e, k, renorm, bn, wts.ptr, tiles.ptr, num_tiles.ptr, assign_tok.ptr, slot_pos.ptr)?;
-    }
+    let renorm = dims.norm_topk_prob as i32;
+    // Batched decode: the lists in one block (fewer launches); prompt chunks: over many blocks.
+    let route = if t * k <= mo::ROUTE_SMALL_MAX { mo::route_small } else { mo::route_chain };
+    route(c, logits.ptr(), t, e, k, renorm, bn, wts.ptr, tiles.ptr, num_tiles.ptr, assign_tok.ptr, slot_pos.ptr)?;
     let inter = w.experts.gate.rows;
     let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };

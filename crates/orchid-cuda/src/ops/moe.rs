@@ -48,9 +48,8 @@ crate::kernel_abi! {
         pad1: i32,
     }
     #[derive(Clone, Copy, Default)]
-    struct RouteSmallArgs {
-        logits: u64,
-        wts: u64,
+    struct ListsArgs {
+        ids: u64,
         tiles: u64,
         num_tiles: u64,
         assign_tok: u64,
@@ -58,8 +57,6 @@ crate::kernel_abi! {
         t: i32 => "T",
         e: i32 => "E",
         topk: i32,
-        renorm: i32,
-        ldl: i32,
         bn: i32,
     }
     #[derive(Clone, Copy, Default)]
@@ -145,16 +142,34 @@ pub fn route_chain(
 /// Most assignments (tokens x top-k) `route_small` takes: one per thread of its block.
 pub const ROUTE_SMALL_MAX: usize = 1024;
 
-/// The routing of at most `ROUTE_SMALL_MAX` assignments (batched decode) in one launch: the
-/// weights, tile table and lists of `topk` + `scan` + `scatter`, bit for bit.
-pub fn route_small(c: &Ctx, a: &RouteSmallArgs) -> Result<()> {
-    if a.t as usize * a.topk as usize > ROUTE_SMALL_MAX || a.e > 1024 {
+/// `route_chain` of at most `ROUTE_SMALL_MAX` assignments (batched decode) in two launches, bit
+/// for bit: the top-k (without counts), then the counts, scans, tile table and lists in one block.
+#[allow(clippy::too_many_arguments)]
+pub fn route_small(
+    c: &Ctx,
+    logits: u64,
+    t: usize,
+    e: usize,
+    k: usize,
+    renorm: i32,
+    bn: usize,
+    wts: u64,
+    tiles: u64,
+    num_tiles: u64,
+    assign_tok: u64,
+    slot_pos: u64,
+) -> Result<()> {
+    if t * k > ROUTE_SMALL_MAX || e > 1024 {
         return Err(orchid_model::error::Error::Op {
             op: "moe route_small",
-            msg: format!("{} tokens x top-{} over {} experts (at most {ROUTE_SMALL_MAX} assignments)", a.t, a.topk, a.e),
+            msg: format!("{t} tokens x top-{k} over {e} experts (at most {ROUTE_SMALL_MAX} assignments)"),
         });
     }
-    c.k("moe_route_small").launch(&c.gpu, (1, 1, 1), 1024, 0, a)
+    let ids = DevBuf::alloc(&c.gpu, t * k * 4)?;
+    let (t32, e32, k32) = (t as i32, e as i32, k as i32);
+    topk(c, &TopkArgs { logits, ids: ids.ptr, wts, counts: 0, t: t32, e: e32, topk: k32, renorm, ldl: e32, ..Default::default() })?;
+    let a = ListsArgs { ids: ids.ptr, tiles, num_tiles, assign_tok, slot_pos, t: t32, e: e32, topk: k32, bn: bn as i32 };
+    c.k("moe_lists").launch(&c.gpu, (1, 1, 1), 1024, 0, &a)
 }
 
 pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {
@@ -169,6 +184,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::ScanArgs>(), 56);
         assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 48);
         assert_eq!(std::mem::size_of::<super::CombineArgs>(), 72);
-        assert_eq!(std::mem::size_of::<super::RouteSmallArgs>(), 72);
+        assert_eq!(std::mem::size_of::<super::ListsArgs>(), 56);
     }
 }
