@@ -162,13 +162,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs 
 
 // out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :]; with
 // acc, out[t, :] plus that sum (the residual add of the MoE block, as add_assign would do it).
+// grid (T, ceil(H / 256)): a thread per output, its k + 1 rows' loads in flight together.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs a) {
     pdl_enter();
     const int t = blockIdx.x;
     const float* w = (const float*)a.wts + (i64)t * a.topk;
     const int* sp = (const int*)a.slot_pos + (i64)t * a.topk;
     float gs = a.shared ? 1.f / (1.f + expf(-((const float*)a.shared_gate)[(i64)t * a.ld_sg])) : 0.f;
-    for (int h = threadIdx.x; h < a.H; h += blockDim.x) {
+    for (int h = blockIdx.y * blockDim.x + threadIdx.x; h < a.H; h += gridDim.y * blockDim.x) {
         float acc = 0.f;
         for (int s = 0; s < a.topk; ++s) acc += w[s] * ((const float*)a.y)[(i64)sp[s] * a.H + h];
         if (a.shared) acc += gs * ((const float*)a.shared)[(i64)t * a.H + h];

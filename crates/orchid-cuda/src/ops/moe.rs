@@ -173,7 +173,7 @@ pub fn route_small(
 }
 
 pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {
-    c.k("moe_combine").launch(&c.gpu, (a.t as u32, 1, 1), 256, 0, a)
+    c.k("moe_combine").launch(&c.gpu, (a.t as u32, (a.h as u32).div_ceil(256), 1), 256, 0, a)
 }
 
 #[cfg(test)]
