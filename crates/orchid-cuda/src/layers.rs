@@ -9,7 +9,7 @@ use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
-use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_pair_x, gemm_x, matmul, matmul_x};
+use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
 use crate::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_up_rows};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
@@ -343,9 +343,12 @@ pub fn moe_into(
     // Batched decode: the lists in one block (fewer launches); prompt chunks: over many blocks.
     let route = if t * k <= mo::ROUTE_SMALL_MAX { mo::route_small } else { mo::route_chain };
     route(c, logits.ptr(), t, e, k, renorm, bn, wts.ptr, tiles.ptr, num_tiles.ptr, assign_tok.ptr, slot_pos.ptr)?;
+    let inter = w.experts.gate.rows;
+    let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };
-    let hp = gemm_pair_x(c, &w.experts.gate, &w.experts.up, &xp, assign_tok.ptr, t * k, Some(grouped()))?;
+    gemm(c, &w.experts.gate, Some(&w.experts.up), &xp, assign_tok.ptr, t * k, Some(grouped()), hbuf.ptr, inter)?;
     let ybuf = DevBuf::alloc(gpu, t * k * h * 4)?;
+    let hp = gemm_x(c, hbuf.ptr, inter, t * k, inter)?;
     gemm(c, &w.experts.down, None, &hp, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
     // Shared expert (all tokens) and its sigmoid gate.
     let mut shared_out = None;
@@ -353,17 +356,18 @@ pub fn moe_into(
         let sg = b.tensor(t, 1)?;
         matmul_x(c, gw, x.ptr(), h, &xp, t, sg.ptr(), 1)?;
         let is = m.gate_proj.rows;
-        let sh = b.tensor(t, h)?;
+        let sh_h = b.tensor(t, is)?;
         if t <= 8 {
-            let (gt, up, sh_h) = (b.tensor(t, is)?, b.tensor(t, is)?, b.tensor(t, is)?);
+            let gt = b.tensor(t, is)?;
+            let up = b.tensor(t, is)?;
             matmul(c, &m.gate_proj, x.ptr(), h, t, gt.ptr(), is)?;
             matmul(c, &m.up_proj, x.ptr(), h, t, up.ptr(), is)?;
             silu_mul(c, gt.ptr(), up.ptr(), sh_h.ptr(), t * is)?;
-            matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
         } else {
-            let shp = gemm_pair_x(c, &m.gate_proj, &m.up_proj, &xp, 0, t, None)?;
-            gemm(c, &m.down_proj, None, &shp, 0, t, None, sh.ptr(), h)?;
+            gemm(c, &m.gate_proj, Some(&m.up_proj), &xp, 0, t, None, sh_h.ptr(), is)?;
         }
+        let sh = b.tensor(t, h)?;
+        matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
         shared_out = Some((sh, sg));
     }
     mo::combine(
