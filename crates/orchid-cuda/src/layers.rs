@@ -435,10 +435,8 @@ pub fn moe_rows(
     let logits = b.tensor(t, e + ns)?;
     let fused = t <= 8 && w.shared_gate.as_ref().is_none_or(|sg| sg.fmt == w.router.fmt && sg.kpad == w.router.kpad);
     if fused {
-        // Router (and shared gate) logits with every token's top-k in the last block. K parts
-        // for one token only: the last block would sum the parts of t x E logits, which cost
-        // more than the parts gain from 2 tokens on (measured at 2-8 tokens).
-        let partial = if t == 1 { Some(DevBuf::alloc(b.gpu(), ROUTER_KPARTS * (e + ns) * 4)?) } else { None };
+        // Router (and shared gate) logits with every token's top-k in the last block.
+        let partial = DevBuf::alloc(b.gpu(), ROUTER_KPARTS * t * (e + ns) * 4)?;
         let route = RouteEpi {
             counter: c.route_counter.ptr,
             ids: ids.ptr,
@@ -447,7 +445,7 @@ pub fn moe_rows(
             topk: k,
             renorm: dims.norm_topk_prob,
             shared_col: w.shared_gate.as_ref().map(|_| e),
-            partial: partial.as_ref().map_or(0, |p| p.ptr),
+            partial: partial.ptr,
         };
         let mut segs = vec![(&w.router, 0)];
         segs.extend(w.shared_gate.as_ref().map(|sg| (sg, e)));
