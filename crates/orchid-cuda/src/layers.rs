@@ -339,10 +339,22 @@ pub fn moe_into(
     let num_tiles = DevBuf::alloc(gpu, 4)?;
     let assign_tok = DevBuf::alloc(gpu, t * k * 4)?;
     let slot_pos = DevBuf::alloc(gpu, t * k * 4)?;
-    let renorm = dims.norm_topk_prob as i32;
     // Batched decode: the lists in one block (fewer launches); prompt chunks: over many blocks.
     let route = if t * k <= mo::ROUTE_SMALL_MAX { mo::route_small } else { mo::route_chain };
-    route(c, logits.ptr(), t, e, k, renorm, bn, wts.ptr, tiles.ptr, num_tiles.ptr, assign_tok.ptr, slot_pos.ptr)?;
+    let r = mo::Routing {
+        logits: logits.ptr(),
+        t,
+        e,
+        k,
+        renorm: dims.norm_topk_prob,
+        bn,
+        wts: wts.ptr,
+        tiles: tiles.ptr,
+        num_tiles: num_tiles.ptr,
+        assign_tok: assign_tok.ptr,
+        slot_pos: slot_pos.ptr,
+    };
+    route(c, &r)?;
     let inter = w.experts.gate.rows;
     let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };

@@ -823,7 +823,20 @@ fn moe_route_small_equals_chain() {
             let run = |small: bool| {
                 let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(t * k), alloc(t * k));
                 let route = if small { mo::route_small } else { mo::route_chain };
-                route(&g.ctx, gl.ptr(), t, e, k, 1, bn, wts.ptr, tiles.ptr, num.ptr, at.ptr, sp.ptr).unwrap();
+                let r = mo::Routing {
+                    logits: gl.ptr(),
+                    t,
+                    e,
+                    k,
+                    renorm: true,
+                    bn,
+                    wts: wts.ptr,
+                    tiles: tiles.ptr,
+                    num_tiles: num.ptr,
+                    assign_tok: at.ptr,
+                    slot_pos: sp.ptr,
+                };
+                route(&g.ctx, &r).unwrap();
                 let n = words(&num, 1)[0] as usize;
                 (words(&wts, t * k), words(&tiles, 4 * n.min(max_tiles)), n, words(&at, t * k), words(&sp, t * k))
             };

@@ -96,47 +96,46 @@ pub fn scatter(c: &Ctx, a: &ScatterArgs, e: usize) -> Result<()> {
     c.k("moe_scatter").launch(&c.gpu, (e as u32, 1, 1), 256, 0, a)
 }
 
+/// One MoE layer's routing: `t` tokens' logits over `e` experts [t, e] in; out, each token's
+/// top-`k` weights [t, k] (renormalised where `renorm`), the grouped GEMMs' tile table (tiles of
+/// `bn` tokens) and its count, and the expert-ordered lists (`assign_tok`: the token of each
+/// list position; `slot_pos`: the list position of each (token, slot)).
+#[derive(Clone, Copy, Debug)]
+pub struct Routing {
+    pub logits: u64,
+    pub t: usize,
+    pub e: usize,
+    pub k: usize,
+    pub renorm: bool,
+    pub bn: usize,
+    pub wts: u64,
+    pub tiles: u64,
+    pub num_tiles: u64,
+    pub assign_tok: u64,
+    pub slot_pos: u64,
+}
+
+impl Routing {
+    /// The top-k launch of this routing, with `ids` out and `counts` (0: none) counted.
+    fn topk_args(&self, ids: u64, counts: u64) -> TopkArgs {
+        let (t, e, topk) = (self.t as i32, self.e as i32, self.k as i32);
+        TopkArgs { logits: self.logits, ids, wts: self.wts, counts, t, e, topk, renorm: self.renorm as i32, ldl: e, ..Default::default() }
+    }
+}
+
 /// The routing of any number of tokens (prompt chunks) in four launches: top-k with the experts'
 /// counts, their scan into offsets and the tile table, the stable scatter into the lists.
-#[allow(clippy::too_many_arguments)]
-pub fn route_chain(
-    c: &Ctx,
-    logits: u64,
-    t: usize,
-    e: usize,
-    k: usize,
-    renorm: i32,
-    bn: usize,
-    wts: u64,
-    tiles: u64,
-    num_tiles: u64,
-    assign_tok: u64,
-    slot_pos: u64,
-) -> Result<()> {
-    let ids = DevBuf::alloc(&c.gpu, t * k * 4)?;
-    let counts = DevBuf::alloc(&c.gpu, e * 4)?;
-    zero_words(c, counts.ptr, e)?;
-    let (t32, e32, k32) = (t as i32, e as i32, k as i32);
-    topk(
-        c,
-        &TopkArgs { logits, ids: ids.ptr, wts, counts: counts.ptr, t: t32, e: e32, topk: k32, renorm, ldl: e32, ..Default::default() },
-    )?;
-    let offsets = DevBuf::alloc(&c.gpu, e * 4)?;
-    let cursor = DevBuf::alloc(&c.gpu, e * 4)?;
-    scan(
-        c,
-        &ScanArgs {
-            counts: counts.ptr,
-            offsets: offsets.ptr,
-            cursor: cursor.ptr,
-            tiles,
-            num_tiles,
-            e: e32,
-            bn: bn as i32,
-            ..Default::default()
-        },
-    )?;
-    scatter(c, &ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok, slot_pos, t: t32, topk: k32, ..Default::default() }, e)
+pub fn route_chain(c: &Ctx, r: &Routing) -> Result<()> {
+    let ids = DevBuf::alloc(&c.gpu, r.t * r.k * 4)?;
+    let counts = DevBuf::alloc(&c.gpu, r.e * 4)?;
+    zero_words(c, counts.ptr, r.e)?;
+    topk(c, &r.topk_args(ids.ptr, counts.ptr))?;
+    let offsets = DevBuf::alloc(&c.gpu, r.e * 4)?;
+    let cursor = DevBuf::alloc(&c.gpu, r.e * 4)?;
+    let (tiles, num_tiles, e, bn) = (r.tiles, r.num_tiles, r.e as i32, r.bn as i32);
+    scan(c, &ScanArgs { counts: counts.ptr, offsets: offsets.ptr, cursor: cursor.ptr, tiles, num_tiles, e, bn, ..Default::default() })?;
+    let (assign_tok, slot_pos, t, topk) = (r.assign_tok, r.slot_pos, r.t as i32, r.k as i32);
+    scatter(c, &ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok, slot_pos, t, topk, ..Default::default() }, r.e)
 }
 
 /// Most assignments (tokens x top-k) `route_small` takes: one per thread of its block.
@@ -144,31 +143,26 @@ pub const ROUTE_SMALL_MAX: usize = 1024;
 
 /// `route_chain` of at most `ROUTE_SMALL_MAX` assignments (batched decode) in two launches, bit
 /// for bit: the top-k (without counts), then the counts, scans, tile table and lists in one block.
-#[allow(clippy::too_many_arguments)]
-pub fn route_small(
-    c: &Ctx,
-    logits: u64,
-    t: usize,
-    e: usize,
-    k: usize,
-    renorm: i32,
-    bn: usize,
-    wts: u64,
-    tiles: u64,
-    num_tiles: u64,
-    assign_tok: u64,
-    slot_pos: u64,
-) -> Result<()> {
-    if t * k > ROUTE_SMALL_MAX || e > 1024 {
+pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
+    if r.t * r.k > ROUTE_SMALL_MAX || r.e > 1024 {
         return Err(orchid_model::error::Error::Op {
             op: "moe route_small",
-            msg: format!("{t} tokens x top-{k} over {e} experts (at most {ROUTE_SMALL_MAX} assignments)"),
+            msg: format!("{} tokens x top-{} over {} experts (at most {ROUTE_SMALL_MAX} assignments)", r.t, r.k, r.e),
         });
     }
-    let ids = DevBuf::alloc(&c.gpu, t * k * 4)?;
-    let (t32, e32, k32) = (t as i32, e as i32, k as i32);
-    topk(c, &TopkArgs { logits, ids: ids.ptr, wts, counts: 0, t: t32, e: e32, topk: k32, renorm, ldl: e32, ..Default::default() })?;
-    let a = ListsArgs { ids: ids.ptr, tiles, num_tiles, assign_tok, slot_pos, t: t32, e: e32, topk: k32, bn: bn as i32 };
+    let ids = DevBuf::alloc(&c.gpu, r.t * r.k * 4)?;
+    topk(c, &r.topk_args(ids.ptr, 0))?;
+    let a = ListsArgs {
+        ids: ids.ptr,
+        tiles: r.tiles,
+        num_tiles: r.num_tiles,
+        assign_tok: r.assign_tok,
+        slot_pos: r.slot_pos,
+        t: r.t as i32,
+        e: r.e as i32,
+        topk: r.k as i32,
+        bn: r.bn as i32,
+    };
     c.k("moe_lists").launch(&c.gpu, (1, 1, 1), 1024, 0, &a)
 }
 
