@@ -473,6 +473,9 @@ def metric_delta(before: dict, after: dict) -> dict:
         out[f"{kind}_steps"] = int(steps)
         out[f"{kind}_step_s"] = secs
         out[f"{kind}_step_mean_s"] = secs / steps if steps else None
+    # Prompt tokens over the seconds of the steps that ran them (their decode rows included).
+    out["prompt_tokens"] = int(d("orchid_prompt_tokens_total"))
+    out["prefill_tok_s"] = out["prompt_tokens"] / out["prefill_step_s"] if out["prefill_step_s"] > 0 else None
     return out
 
 
@@ -586,12 +589,13 @@ def print_table(meta: dict, rows: list[dict], interference: dict | None, out):
               f"{ttft:>21} {itl:>15} {num(r['tokens_per_chunk'], '.2f'):>9} {ms(r['server_itl_mean_s']):>10} "
               f"{num(r.get('floor_gb'), '.2f'):>9} {num(r.get('floor_tok_s')):>11} "
               f"{'-' if frac is None else f'{frac:.1%}':>8}", file=out)
-    print("where the engine's time went: steps that ran prompt tokens (count, seconds in all) and steps that only "
-          "decoded (count, mean), their sum against the wall time", file=out)
-    print(f"{'streams':>7} {'prefill steps':>13} {'prefill s':>9} {'decode steps':>12} {'ms/step':>8} {'busy':>6}", file=out)
+    print("where the engine's time went: steps that ran prompt tokens (count, seconds in all, prompt tokens per "
+          "second of them) and steps that only decoded (count, mean), their sum against the wall time", file=out)
+    print(f"{'streams':>7} {'prefill steps':>13} {'prefill s':>9} {'prompt tok/s':>12} {'decode steps':>12} {'ms/step':>8} "
+          f"{'busy':>6}", file=out)
     for r in rows:
-        print(f"{r['concurrency']:>7} {r['prefill_steps']:>13} {r['prefill_step_s']:>9.3f} {r['decode_steps']:>12} "
-              f"{ms(r['decode_step_mean_s']):>8} {r['engine_busy_fraction']:>6.1%}", file=out)
+        print(f"{r['concurrency']:>7} {r['prefill_steps']:>13} {r['prefill_step_s']:>9.3f} {num(r['prefill_tok_s']):>12} "
+              f"{r['decode_steps']:>12} {ms(r['decode_step_mean_s']):>8} {r['engine_busy_fraction']:>6.1%}", file=out)
     if interference:
         i = interference
         print(f"interference: {i['streams']} streams x {i['stream_tokens']} tokens, a {i['long_prompt_tokens']}-token prompt "

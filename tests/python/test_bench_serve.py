@@ -88,6 +88,8 @@ def test_cpu_smoke(tmp_path):
         assert r["server_itl_mean_s"] is not None and r["server_itl_mean_s"] > 0
         # Each stream's one-chunk prompt ran in a prefill step; the rest of its tokens in decode steps.
         assert 1 <= r["prefill_steps"] <= n and r["prefill_step_s"] > 0
+        # Every stream's prompt was admitted once; its rate is over the prefill steps' seconds.
+        assert r["prompt_tokens"] == 16 * n and r["prefill_tok_s"] == r["prompt_tokens"] / r["prefill_step_s"]
         assert r["decode_steps"] >= 3 and r["decode_step_mean_s"] > 0
         assert 0 < r["engine_busy_fraction"] <= 1
     i = out["interference"]
