@@ -796,8 +796,8 @@ fn deltanet_decode_rows_vs_cpu() {
 }
 
 /// The two-launch routing of batched decode (`route_small`: top-k, then the lists in one block)
-/// gives the bits of the prefill chain (top-k with counts, scan, scatter): routing weights, tile table and lists, with ties in the logits and
-/// up to the full 1024 assignments.
+/// gives the bits of the prefill chain (top-k with counts, scan, scatter): routing weights, tile
+/// table and lists, with ties in the logits and up to the full 1024 assignments.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn moe_route_small_equals_chain() {

@@ -8,9 +8,9 @@
 //! - `ORCHID_CUDA_HOME`, `CUDA_HOME`, `CUDA_PATH`: CUDA toolkit folders (NVRTC, headers), tried
 //!   before `/usr/local/cuda`; `ORCHID_CUDA_INCLUDE`: header folders (a path list).
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
-//!   MOE_UP_KSPLIT, MOE_DOWN_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES, ATTN_PREFILL_SPLITS (1: no
-//!   split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS, GEMM_KPARTS_MAX (1: no split-K
-//!   GEMMs)).
+//!   MOE_UP_KSPLIT, MOE_DOWN_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES,
+//!   ATTN_PREFILL_SPLITS (1: no split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS,
+//!   GEMM_KPARTS_MAX (1: no split-K GEMMs)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
