@@ -22,6 +22,9 @@
 // list positions p = first + i, reading prepared row x_rows[p] (or p) and writing out row p.
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
 // same row indices; the block writes silu(gate) · up for 64 output rows (C tile rows r and 64 + r).
+// With xs_out, a PAIR writes its outputs prepared for the next GEMM, as gemm_xprep would: out is
+// bf16 rows [*, ldo] and xs_out their 64-group sums [*, ldo / 64] (a block's 64 rows are one
+// group; the launcher asks for M % 128 == 0 and ldo == M, so no padding columns exist).
 //
 // Split-K (dense GEMMs whose weight rows alone leave SMs idle, ops::gemm_kparts): grid.z = K
 // parts; block z sums its share of the k-steps from zero and writes its f32 partial sums (PAIR:
@@ -427,6 +430,29 @@ DEVI void gemm_body(const GemmArgs& a) {
         }
     }
     __syncthreads();
+    if (PAIR && a.xs_out && gridDim.z == 1) {
+        // Prepared rows: 16 lanes per token, lane q the tile rows 4q .. 4q + 3, rounded and summed
+        // in gemm_xprep's order; every thread runs every pass (group64_sum shuffles the warp).
+        const int q = threadIdx.x & 15, nst = min(count, BN);
+        for (int tk0 = 0; tk0 < nst; tk0 += 16) {
+            const int tk = tk0 + (threadIdx.x >> 4);
+            float v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int r = 4 * q + j;
+                const float gv = Cs[tk * CST + r], uv = Cs[tk * CST + BM / 2 + r];
+                v[j] = (tk < nst && r < mrem) ? gv / (1.f + expf(-gv)) * uv : 0.f;
+            }
+            const u32 p0 = pack_bf16(v[0], v[1]), p1 = pack_bf16(v[2], v[3]);
+            const float gs = group64_sum(p0, p1);
+            if (tk < nst) {
+                const i64 row = start + tk;
+                *(uint2*)((__nv_bfloat16*)a.out + row * a.ldo + m0 + 4 * q) = make_uint2(p0, p1);
+                if (q == 0) ((float*)a.xs_out)[row * (a.ldo / 64) + m0 / 64] = gs;
+            }
+        }
+        return;
+    }
     // Thread: output row m0 + r for tokens tk0, tk0 + TSTEP, ... of the tile (PAIR: silu of gate
     // tile row r times up tile row 64 + r). Split-K: the part's sums go to its partial matrix
     // [T][ldo] (part z at z · T · ldo), PAIR's gate and up sums apart (up at column ldo / 2 + m),
@@ -470,7 +496,9 @@ GEMM_KERNEL(gemm_bf16_pair_n128, FMT_BF16, 128, true, 1)
 // add, as add_assign would do it). part: f32 [kparts][T][ldp]; PAIR: silu(Σ gate) · Σ up, the up
 // partials at column ldp / 2 + m. gemm_splitk_reduce4: a thread per 4 consecutive outputs of a
 // row (M and ldo multiples of 4, out 16-byte aligned; ldp always is a multiple of 4);
-// gemm_splitk_reduce: a thread per output. grid (ceil(M / V / 256), T) (ops::gemm).
+// gemm_splitk_reduce: a thread per output. grid (ceil(M / V / 256), T) (ops::gemm). With xs
+// (PAIR, gemm_splitk_reduce4, M % 128 == 0: whole warps), the outputs prepared for the next GEMM
+// as the one-pass PAIR writes them.
 // Σ_z p[z · ps] over z = 0 .. kparts − 1 in that order (loads in flight together, adds in order).
 DEVI void sum_parts(const float* p, i64 ps, int kparts, float& s) {
     s = __ldcg(p);
@@ -507,6 +535,15 @@ DEVI void splitk_reduce(const SplitkArgs& a) {
         F u;
         sum_parts(p + a.ldp / 2, ps, a.kparts, u);
         v = silu_times(v, u);
+    }
+    if constexpr (V == 4) {
+        if (a.xs) {  // PAIR prepared for the next GEMM (gemm_xprep's rounding and group sums)
+            const u32 p0 = pack_bf16(v.x, v.y), p1 = pack_bf16(v.z, v.w);
+            const float gs = group64_sum(p0, p1);
+            *(uint2*)((__nv_bfloat16*)a.out + (i64)n * a.ldo + m) = make_uint2(p0, p1);
+            if ((threadIdx.x & 15) == 0) ((float*)a.xs)[(i64)n * (a.ldo / 64) + m / 64] = gs;
+            return;
+        }
     }
     F* o = (F*)((float*)a.out + (i64)n * a.ldo + m);
     *o = a.acc ? plus(*o, v) : v;

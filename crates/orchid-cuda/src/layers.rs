@@ -9,7 +9,7 @@ use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
-use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_x, matmul, matmul_x};
+use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_pair_x, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
 use crate::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_up_rows};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
@@ -355,12 +355,9 @@ pub fn moe_into(
         slot_pos: slot_pos.ptr,
     };
     route(c, &r)?;
-    let inter = w.experts.gate.rows;
-    let hbuf = DevBuf::alloc(gpu, t * k * inter * 4)?;
     let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };
-    gemm(c, &w.experts.gate, Some(&w.experts.up), &xp, assign_tok.ptr, t * k, Some(grouped()), hbuf.ptr, inter)?;
+    let hp = gemm_pair_x(c, &w.experts.gate, &w.experts.up, &xp, assign_tok.ptr, t * k, Some(grouped()))?;
     let ybuf = DevBuf::alloc(gpu, t * k * h * 4)?;
-    let hp = gemm_x(c, hbuf.ptr, inter, t * k, inter)?;
     gemm(c, &w.experts.down, None, &hp, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
     // Shared expert (all tokens) and its sigmoid gate.
     let mut shared_out = None;
@@ -368,18 +365,17 @@ pub fn moe_into(
         let sg = b.tensor(t, 1)?;
         matmul_x(c, gw, x.ptr(), h, &xp, t, sg.ptr(), 1)?;
         let is = m.gate_proj.rows;
-        let sh_h = b.tensor(t, is)?;
+        let sh = b.tensor(t, h)?;
         if t <= 8 {
-            let gt = b.tensor(t, is)?;
-            let up = b.tensor(t, is)?;
+            let (gt, up, sh_h) = (b.tensor(t, is)?, b.tensor(t, is)?, b.tensor(t, is)?);
             matmul(c, &m.gate_proj, x.ptr(), h, t, gt.ptr(), is)?;
             matmul(c, &m.up_proj, x.ptr(), h, t, up.ptr(), is)?;
             silu_mul(c, gt.ptr(), up.ptr(), sh_h.ptr(), t * is)?;
+            matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
         } else {
-            gemm(c, &m.gate_proj, Some(&m.up_proj), &xp, 0, t, None, sh_h.ptr(), is)?;
+            let shp = gemm_pair_x(c, &m.gate_proj, &m.up_proj, &xp, 0, t, None)?;
+            gemm(c, &m.down_proj, None, &shp, 0, t, None, sh.ptr(), h)?;
         }
-        let sh = b.tensor(t, h)?;
-        matmul(c, &m.down_proj, sh_h.ptr(), is, t, sh.ptr(), h)?;
         shared_out = Some((sh, sg));
     }
     mo::combine(
@@ -447,8 +443,10 @@ pub fn moe_rows(
     let logits = b.tensor(t, e + ns)?;
     let fused = t <= 8 && w.shared_gate.as_ref().is_none_or(|sg| sg.fmt == w.router.fmt && sg.kpad == w.router.kpad);
     if fused {
-        // Router (and shared gate) logits with every token's top-k in the last block.
-        let partial = DevBuf::alloc(b.gpu(), ROUTER_KPARTS * t * (e + ns) * 4)?;
+        // Router (and shared gate) logits with every token's top-k in the last block. K parts
+        // for one token only: the last block would sum the parts of t x E logits, which cost
+        // more than the parts gain from 2 tokens on (measured at 2-8 tokens).
+        let partial = if t == 1 { Some(DevBuf::alloc(b.gpu(), ROUTER_KPARTS * (e + ns) * 4)?) } else { None };
         let route = RouteEpi {
             counter: c.route_counter.ptr,
             ids: ids.ptr,
@@ -457,7 +455,7 @@ pub fn moe_rows(
             topk: k,
             renorm: dims.norm_topk_prob,
             shared_col: w.shared_gate.as_ref().map(|_| e),
-            partial: partial.ptr,
+            partial: partial.as_ref().map_or(0, |p| p.ptr),
         };
         let mut segs = vec![(&w.router, 0)];
         segs.extend(w.shared_gate.as_ref().map(|sg| (sg, e)));

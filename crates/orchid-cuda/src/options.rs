@@ -48,7 +48,8 @@ pub struct Tuning {
     /// Warps per 16-row tile of `moe_down_rows` (0: by the grid, `ops::moe_decode::rows_ksplit`;
     /// at most 8); the one-token `moe_down` always takes 8.
     pub moe_down_ksplit: usize,
-    /// K parts of the decode router matvec (1..=`ops::gemv::ROUTER_KPARTS`).
+    /// K parts of the one-token decode router matvec (1..=`ops::gemv::ROUTER_KPARTS`; several
+    /// tokens take one).
     pub router_kparts: usize,
     /// Splits of the decode attention inside the CUDA graph (1..=`ops::attention::MAX_SPLITS`).
     pub attn_splits: usize,

@@ -253,6 +253,40 @@ fn gemm_pair_split_k() {
     }
 }
 
+/// The gate/up pair written prepared for the down projection (`gemm_pair_x`: in the one-pass
+/// GEMM's epilogue, in the split-K reduction, or for other shapes through `gemm_x`) gives the
+/// bytes of the pair's f32 rows prepared by `gemm_x`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_pair_x_equals_pair_then_prep() {
+    let g = gpu();
+    let mut rng = Rng::new(23);
+    let bytes = |xp: &GemmX| {
+        let mut v = vec![0u8; xp.buf.bytes];
+        xp.buf.download(0, &mut v).unwrap();
+        v
+    };
+    for &(k, n) in &[(2048usize, 512usize), (1024, 256), (2048, 1001)] {
+        for (fmt, name) in [(Fmt::Mlx, "q4"), (Fmt::Hf, "bf16")] {
+            let (wg, wu) = (linear(&mut rng, n, k, fmt, 4), linear(&mut rng, n, k, fmt, 4));
+            let (gg, gu) = (g.upload_linear(&wg).unwrap(), g.upload_linear(&wu).unwrap());
+            for &t in &[16usize, 33, 64, 200] {
+                let x = rng.vec(t * k, 1.0);
+                let gx = up(&g, t, k, &x);
+                let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+                let fused = gemm::gemm_pair_x(&g.ctx, &gg, &gu, &xp, 0, t, None).unwrap();
+                let h = g.tensor(t, n).unwrap();
+                gemm::gemm(&g.ctx, &gg, Some(&gu), &xp, 0, t, None, h.ptr(), n).unwrap();
+                let plain = gemm::gemm_x(&g.ctx, h.ptr(), n, t, n).unwrap();
+                let parts = gemm::dense_kparts(&g.ctx, &gg, true, t);
+                let same = fused.buf.bytes == plain.buf.bytes && bytes(&fused) == bytes(&plain);
+                let tag = format!("{name} T={t} K={k} N={n} ({parts} K parts)");
+                report(&format!("gemm_pair_x = pair + gemm_x {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
+            }
+        }
+    }
+}
+
 /// Random q/k/v, z, b and a of `t` tokens for a GDN layer, on the CPU and on the GPU.
 fn gdn_step_inputs(g: &CudaBackend, rng: &mut Rng, t: usize, cdim: usize, vdim: usize, hv: usize) -> ([CpuTensor; 4], [CudaTensor; 4]) {
     let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * vdim, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));

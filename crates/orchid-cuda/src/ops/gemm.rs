@@ -28,6 +28,8 @@ crate::kernel_abi! {
         out: u64,
         tiles: u64,
         num_tiles: u64,
+        /// PAIR: 0, or the group sums of outputs prepared for the next GEMM (`out`: bf16 rows).
+        xs_out: u64,
         m: i32 => "M",
         rows_e: i32,
         k: i32 => "K",
@@ -43,6 +45,8 @@ crate::kernel_abi! {
         /// f32 partial sums [kparts][T][ldp] (PAIR: gate columns [0, ldp / 2), up from ldp / 2).
         part: u64,
         out: u64,
+        /// PAIR: 0, or the group sums of outputs prepared for the next GEMM (`out`: bf16 rows).
+        xs: u64,
         t: i32 => "T",
         m: i32 => "M",
         ldp: i32,
@@ -222,7 +226,24 @@ pub fn gemm(
     ldo: usize,
 ) -> Result<()> {
     let kparts = if grouped.is_none() { dense_kparts(c, w, w2.is_some(), t) } else { 1 };
-    gemm_launch(c, w, w2, x, x_rows, t, grouped, out, ldo, kparts, false)
+    gemm_launch(c, w, w2, x, x_rows, t, grouped, out, ldo, 0, kparts, false)
+}
+
+/// The gate/up `gemm` pair (silu(gate) ⊙ up) written prepared for the GEMM that reads it (the
+/// down projection): the bits `gemm` then `gemm_x` give, without the f32 rows and the extra pass.
+/// Written by the GEMM (or its split-K reduction) where the rows are whole 128-row blocks; other
+/// shapes take `gemm` and `gemm_x`.
+pub fn gemm_pair_x(c: &Ctx, gate: &GpuLinear, up: &GpuLinear, x: &GemmX, x_rows: u64, t: usize, grouped: Option<Grouped>) -> Result<GemmX> {
+    let m = gate.rows;
+    if !m.is_multiple_of(128) {
+        let h = DevBuf::alloc(&c.gpu, t * m * 4)?;
+        gemm(c, gate, Some(up), x, x_rows, t, grouped, h.ptr, m)?;
+        return gemm_x(c, h.ptr, m, t, m);
+    }
+    let xp = GemmX::alloc(c, m, t, m)?;
+    let kparts = if grouped.is_none() { dense_kparts(c, gate, true, t) } else { 1 };
+    gemm_launch(c, gate, Some(up), x, x_rows, t, grouped, xp.xb(), m, xp.xs(), kparts, false)?;
+    Ok(xp)
 }
 
 /// A dense `gemm` in `kparts` K parts (1: one pass; more: split-K, at most one part per
@@ -240,7 +261,7 @@ pub fn gemm_split(
     kparts: usize,
     accumulate: bool,
 ) -> Result<()> {
-    gemm_launch(c, w, w2, x, 0, t, None, out, ldo, kparts, accumulate)
+    gemm_launch(c, w, w2, x, 0, t, None, out, ldo, 0, kparts, accumulate)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -254,9 +275,13 @@ fn gemm_launch(
     grouped: Option<Grouped>,
     out: u64,
     ldo: usize,
+    xs_out: u64,
     kparts: usize,
     accumulate: bool,
 ) -> Result<()> {
+    if xs_out != 0 && (w2.is_none() || !w.rows.is_multiple_of(128) || ldo != w.rows || accumulate || !out.is_multiple_of(16)) {
+        return Err(Error::Op { op: "gemm", msg: "prepared outputs need a gate/up pair of whole 128-row blocks".into() });
+    }
     if x.k != w.cols || x.kpad != w.kpad {
         return Err(Error::Op {
             op: "gemm",
@@ -305,6 +330,7 @@ fn gemm_launch(
         out: scratch.as_ref().map_or(out, |b| b.ptr),
         tiles: grouped.as_ref().map_or(0, |g| g.tiles),
         num_tiles: grouped.as_ref().map_or(0, |g| g.num_tiles),
+        xs_out: if kparts > 1 { 0 } else { xs_out },
         m: w.rows as i32,
         rows_e: w.rows_pad as i32,
         k: w.cols as i32,
@@ -322,6 +348,7 @@ fn gemm_launch(
     let r = SplitkArgs {
         part: part.ptr,
         out,
+        xs: xs_out,
         t: t as i32,
         m: w.rows as i32,
         ldp: ldp as i32,
@@ -372,7 +399,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 112);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 120);
     }
 
     #[test]
