@@ -27,13 +27,10 @@
 // group; the launcher asks for M % 128 == 0 and ldo == M, so no padding columns exist).
 //
 // Split-K (dense GEMMs whose weight rows alone leave SMs idle, ops::gemm_kparts): grid.z = K
-// parts; block z sums its share of the k-steps from zero. With `part` (one launch), the block
-// writes its C tile to its slot of that scratch and counts itself in on the tile's counter; the
-// tile's last block to arrive adds the parts in the order 0, 1, ... (whichever block is last:
-// bit-identical runs) into its C tile and runs the one-pass epilogue on it. Without, block z
-// writes its f32 partial sums (PAIR: gate and up apart) to part z of a scratch matrix `out` and
-// gemm_splitk_reduce adds them in the same order. The Q4 group-sum term is per 64-group, so it
-// splits with the k-steps.
+// parts; block z sums its share of the k-steps from zero and writes its f32 partial sums (PAIR:
+// gate and up apart) to part z of a scratch matrix; gemm_splitk_reduce adds the parts in the
+// order 0, 1, ... (no atomics: bit-identical runs) and writes the outputs or adds them onto out.
+// The Q4 group-sum term is per 64-group, so it splits with the k-steps.
 
 #define BM 128
 #define BK 128
@@ -246,61 +243,6 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
     }
 }
 
-// Split-K in one launch: this part's C tile (Cs, nst token rows) goes to its slot of a.part
-// (part z of tile b at (z · tiles + b) · BN · BM floats, token rows of BM floats); the block
-// counts itself in on the tile's counter (zero between launches: the last block resets it, so
-// every split GEMM on the stream shares the counters). The last block sums the parts in the
-// order 0, 1, ... into Cs, as gemm_splitk_reduce adds them, and returns true. All of a thread's
-// loads of a part are issued before any add, so a part costs one round trip to L2.
-template <int BN>
-DEVI bool splitk_last_sum(const GemmArgs& a, float* Cs, int nst) {
-    constexpr int CST = BM + 4, R4 = BM / 4;  // C tile row stride (floats); float4 per token row
-    constexpr int U = BN * R4 / 256;          // float4 per thread of a full tile
-    __shared__ int s_last;
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    const i64 ps = (i64)gridDim.x * gridDim.y * BN * BM;  // floats per part
-    float* base = (float*)a.part + (i64)tile * BN * BM;
-    const int n4 = nst * R4;
-    for (int i = threadIdx.x; i < n4; i += 256)
-        __stcg((float4*)(base + blockIdx.z * ps) + i, *(const float4*)(Cs + (i / R4) * CST + (i % R4) * 4));
-    __threadfence();  // this block's part visible before it counts itself in
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* cnt = (int*)a.counters + tile;
-        s_last = atomicAdd(cnt, 1) == (int)gridDim.z - 1;
-        if (s_last) *cnt = 0;
-    }
-    __syncthreads();
-    if (!s_last) return false;
-    __threadfence();
-    float4 acc[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int i = threadIdx.x + 256 * u;
-        if (i < n4) acc[u] = ldcg4(base + 4 * i);
-    }
-#pragma unroll 2
-    for (int z = 1; z < (int)gridDim.z; ++z) {
-        float4 v[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = threadIdx.x + 256 * u;
-            if (i < n4) v[u] = ldcg4(base + z * ps + 4 * i);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            acc[u].x += v[u].x; acc[u].y += v[u].y; acc[u].z += v[u].z; acc[u].w += v[u].w;
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int i = threadIdx.x + 256 * u;
-        if (i < n4) *(float4*)(Cs + (i / R4) * CST + (i % R4) * 4) = acc[u];
-    }
-    __syncthreads();
-    return true;
-}
-
 template <int FMT, int BN, bool PAIR>
 DEVI void gemm_body(const GemmArgs& a) {
     pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
@@ -488,14 +430,10 @@ DEVI void gemm_body(const GemmArgs& a) {
         }
     }
     __syncthreads();
-    const int nst = min(count, BN);
-    // Stored here: one pass, or the last of the K parts (a.part); else partial sums for the reduction.
-    const bool split = gridDim.z > 1 && !a.part;
-    if (gridDim.z > 1 && a.part && !splitk_last_sum<BN>(a, Cs, nst)) return;
-    if (PAIR && a.xs_out && !split) {
+    if (PAIR && a.xs_out && gridDim.z == 1) {
         // Prepared rows: 16 lanes per token, lane q the tile rows 4q .. 4q + 3, rounded and summed
         // in gemm_xprep's order; every thread runs every pass (group64_sum shuffles the warp).
-        const int q = threadIdx.x & 15;
+        const int q = threadIdx.x & 15, nst = min(count, BN);
         for (int tk0 = 0; tk0 < nst; tk0 += 16) {
             const int tk = tk0 + (threadIdx.x >> 4);
             float v[4];
@@ -520,9 +458,10 @@ DEVI void gemm_body(const GemmArgs& a) {
     // [T][ldo] (part z at z · T · ldo), PAIR's gate and up sums apart (up at column ldo / 2 + m),
     // for gemm_splitk_reduce.
     constexpr int TSTEP = 256 / OUTW;
-    const int r = threadIdx.x % OUTW;
+    const int r = threadIdx.x % OUTW, nst = min(count, BN);
+    const bool split = gridDim.z > 1;
     if (r < mrem) {
-        float* o = (float*)a.out + (split ? (i64)blockIdx.z * a.T * a.ldo : 0) + (i64)start * a.ldo + m0 + r;
+        float* o = (float*)a.out + (i64)blockIdx.z * a.T * a.ldo + (i64)start * a.ldo + m0 + r;
         for (int tk = threadIdx.x / OUTW; tk < nst; tk += TSTEP) {
             float v = Cs[tk * CST + r];
             if (PAIR) {

@@ -71,9 +71,6 @@ pub struct Tuning {
     /// Most K parts of a dense GEMM split along K (`ops::gemm::gemm_kparts`; 1: no split-K;
     /// at most `ops::gemm::GEMM_KPARTS_MAX`).
     pub gemm_kparts_max: usize,
-    /// Most tokens a split-K GEMM sums its K parts in its own launch (each tile's last block);
-    /// beyond, the separate reduction kernel (`gemm_splitk_reduce`); 0: always the reduction.
-    pub splitk_fixup_max: usize,
 }
 
 impl Default for Tuning {
@@ -90,7 +87,6 @@ impl Default for Tuning {
             gemv_rows_max: 8,
             gdn_rows_kernel: 16,
             gemm_kparts_max: 8,
-            splitk_fixup_max: 128,
         }
     }
 }
@@ -110,7 +106,6 @@ impl Tuning {
             gemv_rows_max: self.gemv_rows_max.min(4096),
             gdn_rows_kernel: self.gdn_rows_kernel.min(4096),
             gemm_kparts_max: self.gemm_kparts_max.clamp(1, crate::ops::gemm::GEMM_KPARTS_MAX),
-            splitk_fixup_max: self.splitk_fixup_max.min(4096),
         }
     }
 }
@@ -135,7 +130,6 @@ mod tests {
             gemv_rows_max: 0,
             gdn_rows_kernel: 1 << 20,
             gemm_kparts_max: 0,
-            splitk_fixup_max: 1 << 20,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

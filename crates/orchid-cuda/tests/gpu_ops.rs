@@ -117,40 +117,20 @@ fn gemm_parts(
     t: usize,
     kparts: usize,
 ) -> Vec<f32> {
-    gemm_parts_in(g, &g.ctx, w, w2, xp, t, kparts)
-}
-
-/// `gemm_parts` with the launch shapes of `ctx` (the same GPU and kernels).
-fn gemm_parts_in(
-    g: &CudaBackend,
-    ctx: &orchid_cuda::ops::Ctx,
-    w: &orchid_cuda::GpuLinear,
-    w2: Option<&orchid_cuda::GpuLinear>,
-    xp: &GemmX,
-    t: usize,
-    kparts: usize,
-) -> Vec<f32> {
     let out = g.tensor(t, w.rows).unwrap();
-    gemm::gemm_split(ctx, w, w2, xp, t, out.ptr(), w.rows, kparts, false).unwrap();
+    gemm::gemm_split(&g.ctx, w, w2, xp, t, out.ptr(), w.rows, kparts, false).unwrap();
     host(g, &out)
-}
-
-/// The backend's context with split-K GEMMs summed by the separate reduction kernel (the
-/// default sums them in the GEMM's own launch, each tile's last block).
-fn reduction_ctx(g: &CudaBackend) -> orchid_cuda::ops::Ctx {
-    g.ctx.with_tuning(&orchid_cuda::Tuning { splitk_fixup_max: 0, ..g.ctx.tuning.clone() }).unwrap()
 }
 
 /// Split-K dense GEMMs (batched decode: 16–64 tokens) in both formats: against the CPU (strict,
 /// as `matmul_q4_and_bf16`), against the one-pass GEMM (only the summation order differs),
-/// bit-identical from run to run and between the one-launch sum and the reduction kernel, through
-/// `matmul` (the rule's parts) and `matmul_add` (the sum adds onto the residual). N = 1001 takes
-/// the one-output-per-thread reduction and a partial row block, N = 2048 and 520 the 4-output one.
+/// bit-identical from run to run, through `matmul` (the rule's parts) and `matmul_add` (the
+/// reduction adds onto the residual). N = 1001 takes the one-output-per-thread reduction and a
+/// partial row block, N = 2048 and 520 the 4-output one.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_split_k() {
     let g = gpu();
-    let red = reduction_ctx(&g);
     let c = CpuBackend::new();
     let mut rng = Rng::new(12);
     let shapes = [(2048usize, 2048usize), (4096, 520), (2048, 1001), (1024, 64)];
@@ -174,8 +154,6 @@ fn matmul_split_k() {
                     report(&format!("split-K {parts} parts strict {tag}"), rel_l2(&y, &strict), 1e-4);
                     report(&format!("split-K {parts} parts vs one pass {tag}"), rel_l2(&y, &one), 1e-5);
                     report_same(&format!("split-K {parts} parts run to run {tag}"), &y, &again);
-                    let yr = gemm_parts_in(&g, &red, &gw, None, &xp, t, parts);
-                    report_same(&format!("split-K {parts} parts one launch = reduction kernel {tag}"), &y, &yr);
                 }
                 // Through the backend: the rule's parts.
                 let gy = host(&g, &g.matmul(&gx, &gw).unwrap());
@@ -199,9 +177,6 @@ fn matmul_split_k() {
                 let y3 = gemm_parts(&g, &gw, None, &xp, t, 3);
                 let sum3: Vec<f32> = r.iter().zip(&y3).map(|(a, b)| a + b).collect();
                 report_same(&format!("split-K accumulate = residual + product {tag}"), &host(&g, &acc), &sum3);
-                let acc_r = up(&g, t, n, &r);
-                gemm::gemm_split(&red, &gw, None, &xp, t, acc_r.ptr(), n, 3, true).unwrap();
-                report_same(&format!("split-K accumulate one launch = reduction kernel {tag}"), &host(&g, &acc), &host(&g, &acc_r));
                 // One pass that adds in its store.
                 let acc1 = up(&g, t, n, &r);
                 gemm::gemm_split(&g.ctx, &gw, None, &xp, t, acc1.ptr(), n, 1, true).unwrap();
@@ -245,13 +220,11 @@ fn gemm_x_norm_equals_norm_then_prep() {
 }
 
 /// The gate/up pair (silu(gate) · up, the shared expert's GEMM) split along K: against the CPU
-/// and the one-pass pair, bit-identical from run to run and between the one-launch sum and the
-/// reduction kernel.
+/// and the one-pass pair, bit-identical from run to run.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_pair_split_k() {
     let g = gpu();
-    let red = reduction_ctx(&g);
     let c = CpuBackend::new();
     let mut rng = Rng::new(13);
     for &(k, n) in &[(2048usize, 512usize), (2048, 1001)] {
@@ -274,22 +247,19 @@ fn gemm_pair_split_k() {
                     report(&format!("pair split-K {parts} parts strict {tag}"), rel_l2(&y, &strict), 1e-4);
                     report(&format!("pair split-K {parts} parts vs one pass {tag}"), rel_l2(&y, &one), 1e-5);
                     report_same(&format!("pair split-K {parts} parts run to run {tag}"), &y, &again);
-                    let yr = gemm_parts_in(&g, &red, &gg, Some(&gu), &xp, t, parts);
-                    report_same(&format!("pair split-K {parts} parts one launch = reduction kernel {tag}"), &y, &yr);
                 }
             }
         }
     }
 }
 
-/// The gate/up pair written prepared for the down projection (`gemm_pair_x`: in the GEMM's
-/// epilogue, one pass or the split-K parts' last block, in the split-K reduction kernel, or for
-/// other shapes through `gemm_x`) gives the bytes of the pair's f32 rows prepared by `gemm_x`.
+/// The gate/up pair written prepared for the down projection (`gemm_pair_x`: in the one-pass
+/// GEMM's epilogue, in the split-K reduction, or for other shapes through `gemm_x`) gives the
+/// bytes of the pair's f32 rows prepared by `gemm_x`.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_pair_x_equals_pair_then_prep() {
     let g = gpu();
-    let red = reduction_ctx(&g);
     let mut rng = Rng::new(23);
     let bytes = |xp: &GemmX| {
         let mut v = vec![0u8; xp.buf.bytes];
@@ -312,9 +282,6 @@ fn gemm_pair_x_equals_pair_then_prep() {
                 let same = fused.buf.bytes == plain.buf.bytes && bytes(&fused) == bytes(&plain);
                 let tag = format!("{name} T={t} K={k} N={n} ({parts} K parts)");
                 report(&format!("gemm_pair_x = pair + gemm_x {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
-                let reduced = gemm::gemm_pair_x(&red, &gg, &gu, &xp, 0, t, None).unwrap();
-                let same = reduced.buf.bytes == plain.buf.bytes && bytes(&reduced) == bytes(&plain);
-                report(&format!("gemm_pair_x (reduction kernel) = pair + gemm_x {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
             }
         }
     }

@@ -30,11 +30,6 @@ crate::kernel_abi! {
         num_tiles: u64,
         /// PAIR: 0, or the group sums of outputs prepared for the next GEMM (`out`: bf16 rows).
         xs_out: u64,
-        /// Split-K in one launch: the parts' C tiles [kparts][tiles][BN][128] f32 (0: the parts
-        /// go to `out` for `gemm_splitk_reduce`).
-        part: u64,
-        /// Split-K in one launch: an arrival counter per tile (`Ctx::splitk_counters`).
-        counters: u64,
         m: i32 => "M",
         rows_e: i32,
         k: i32 => "K",
@@ -70,10 +65,6 @@ pub const GEMM_KPARTS_MAX: usize = 16;
 /// 5 k-steps in flight) and streams ≥ 36 KB of Q4 weights per block, against a partial tile of
 /// at most 32 KB written and read back.
 pub const SPLITK_MIN_KSTEPS: usize = 4;
-/// Most tiles (row blocks x token tiles) of a split-K GEMM that sums its parts in one launch
-/// (the arrival counters of `Ctx::splitk_counters`; `gemm_kparts` splits at most ~2 blocks per SM
-/// over ≤ 128 tokens, far fewer tiles).
-pub const SPLITK_TILES: usize = 4096;
 /// Most tokens a split-K GEMM takes (batched decode); beyond, the token tiles fill the GPU and
 /// the partials (8 bytes per token and weight row and part) would cost more than they save.
 pub const SPLITK_MAX_TOKENS: usize = 128;
@@ -325,18 +316,9 @@ fn gemm_launch(
     if kparts > 1 && t > 65535 {
         return Err(Error::Op { op: "gemm", msg: format!("split-K over {t} tokens (at most 65535: the reduction's grid)") });
     }
-    let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
-    // Split-K in one launch (up to `Tuning::splitk_fixup_max` tokens): the parts' C tiles,
-    // summed by each tile's last block. Else the parts' partial sums [kparts][t][ldp] (PAIR:
-    // gate, then up), reduced below.
-    let one_launch = kparts > 1 && t <= c.tuning.splitk_fixup_max && gx * gy <= SPLITK_TILES;
+    // Split-K: the parts' partial sums [kparts][t][ldp] (PAIR: gate, then up), reduced below.
     let ldp = w.rows.next_multiple_of(4) * if pair { 2 } else { 1 };
-    let scratch = match kparts {
-        1 => None,
-        _ if one_launch => Some(DevBuf::alloc(&c.gpu, kparts * gx * gy * bn * 128 * 4)?),
-        _ => Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?),
-    };
-    let reduce = kparts > 1 && !one_launch;
+    let scratch = if kparts > 1 { Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?) } else { None };
     let a = GemmArgs {
         w: w.w_ptr(),
         sb: w.sb_ptr(),
@@ -345,24 +327,23 @@ fn gemm_launch(
         x: x.xb(),
         xs: x.xs(),
         x_rows,
-        out: if reduce { scratch.as_ref().map_or(out, |b| b.ptr) } else { out },
+        out: scratch.as_ref().map_or(out, |b| b.ptr),
         tiles: grouped.as_ref().map_or(0, |g| g.tiles),
         num_tiles: grouped.as_ref().map_or(0, |g| g.num_tiles),
-        xs_out: if reduce { 0 } else { xs_out },
-        part: if one_launch { scratch.as_ref().map_or(0, |b| b.ptr) } else { 0 },
-        counters: c.splitk_counters.ptr,
+        xs_out: if kparts > 1 { 0 } else { xs_out },
         m: w.rows as i32,
         rows_e: w.rows_pad as i32,
         k: w.cols as i32,
         kpad: w.kpad as i32,
-        ldo: if reduce { ldp } else { ldo } as i32,
+        ldo: if kparts > 1 { ldp } else { ldo } as i32,
         t: t as i32,
-        acc: (accumulate && !reduce) as i32,
+        acc: (accumulate && kparts == 1) as i32,
         pad1: 0,
     };
     let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
+    let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
-    let Some(part) = scratch.filter(|_| reduce) else { return Ok(()) };
+    let Some(part) = scratch else { return Ok(()) };
     let vec = w.rows.is_multiple_of(4) && ldo.is_multiple_of(4) && out.is_multiple_of(16);
     let r = SplitkArgs {
         part: part.ptr,
@@ -418,7 +399,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 136);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 120);
     }
 
     #[test]

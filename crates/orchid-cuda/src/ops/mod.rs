@@ -33,9 +33,6 @@ pub struct Ctx {
     /// The grid barrier of the router fused into a one-token MoE (`moe_decode::moe_route_up`,
     /// two u32 counters the kernel resets), shared the same way.
     pub route_barrier: DevBuf,
-    /// The per-tile arrival counters of split-K GEMMs summed in one launch (`gemm::SPLITK_TILES`
-    /// i32, zero between launches: each tile's last block resets its own), shared the same way.
-    pub splitk_counters: DevBuf,
     kernels: HashMap<&'static str, Kernel>,
 }
 
@@ -70,8 +67,7 @@ impl Ctx {
         let pdl = opts.pdl && gpu.cc.0 >= 9;
         let route_counter = DevBuf::zeros(&gpu, 4)?;
         let route_barrier = DevBuf::zeros(&gpu, 8)?;
-        let splitk_counters = DevBuf::zeros(&gpu, gemm::SPLITK_TILES * 4)?;
-        Ok(Ctx { gpu, tuning: opts.tuning.clamped(), pdl, route_counter, route_barrier, splitk_counters, kernels })
+        Ok(Ctx { gpu, tuning: opts.tuning.clamped(), pdl, route_counter, route_barrier, kernels })
     }
 
     /// The same GPU and kernels with other launch shapes (clamped).
@@ -83,7 +79,6 @@ impl Ctx {
             pdl: self.pdl,
             route_counter: DevBuf::zeros(&self.gpu, 4)?,
             route_barrier: DevBuf::zeros(&self.gpu, 8)?,
-            splitk_counters: DevBuf::zeros(&self.gpu, gemm::SPLITK_TILES * 4)?,
             kernels: self.kernels.clone(),
         })
     }

@@ -10,8 +10,7 @@
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
 //!   MOE_UP_KSPLIT, MOE_DOWN_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES,
 //!   ATTN_PREFILL_SPLITS (1: no split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS,
-//!   GEMM_KPARTS_MAX (1: no split-K GEMMs), SPLITK_FIXUP_MAX (0: split-K parts always summed
-//!   by the reduction kernel)).
+//!   GEMM_KPARTS_MAX (1: no split-K GEMMs)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -63,7 +62,6 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 gemv_rows_max: tune("GEMV_ROWS_MAX", t.gemv_rows_max),
                 gdn_rows_kernel: tune("GDN_ROWS", t.gdn_rows_kernel),
                 gemm_kparts_max: tune("GEMM_KPARTS_MAX", t.gemm_kparts_max),
-                splitk_fixup_max: tune("SPLITK_FIXUP_MAX", t.splitk_fixup_max),
             },
         }
     })
