@@ -663,8 +663,11 @@ fn constrained_checks(e: &EngineHandle, tok: &Arc<Tokenizer>, case: &Case, p: &P
             && o.finish == Some(FinishReason::Stop)
             && serde_json::from_str::<serde_json::Value>(&o.text).is_ok_and(|v| v["name"].is_string() && v["n"].is_i64())
     };
+    // Bounded string and integer: greedy decoding of a random model may repeat one token inside
+    // an unbounded string until max_tokens, so the grammar itself ends every output.
     let schema = GrammarSpec::JsonSchema(serde_json::json!({"type": "object",
-        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}));
+        "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "n"], "additionalProperties": false}));
     let sampled = SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(5), ..Default::default() };
     for (what, sampling) in [("greedy", SamplingParams::default()), ("sampled (t 1, top-p 0.95)", sampled)] {
         let (o, fast) = solo(e, constrained(&schema, 64, sampling));
