@@ -296,17 +296,25 @@ DEVI void moe_down_body(const MoeDownArgs& a) {
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down_q4(const MoeDownArgs a) { moe_down_body<FMT_Q4>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down_bf16(const MoeDownArgs a) { moe_down_body<FMT_BF16>(a); }
 
-// Several tokens of the op-level path: grid.z (moe_up) / grid.y (moe_down) is the token r, whose x
+// Several tokens (batched decode): grid.z (moe_up) / grid.y (moe_down) is the token r, whose x
 // row is r·K floats in, ids r·topk, h rows r·nsrc·hstride, routing weights r·nsrc (nsrc = topk +
-// has_shared) and output row r·H (accumulated).
-template <int FMT>
+// has_shared) and output row r·H (accumulated). ROUTE (moe_route_up_rows): each token's blocks
+// route it as moe_route_up routes its one token, with the token's own K-part sums (r·kparts·(E+1)
+// floats in) and barrier (counters 2r, 2r + 1); every block of the grid is resident (the launch
+// checks it), so no token's blocks can keep another token's router blocks from running.
+template <int FMT, bool ROUTE = false>
 DEVI void moe_up_rows_body(const MoeUpArgs& a0) {
     const int r = blockIdx.z, nsrc = a0.topk + a0.has_shared;
     MoeUpArgs a = a0;
     a.x += (u64)r * a0.K * 4;
     a.ids += (u64)r * a0.topk * 4;
     a.h += (u64)r * nsrc * a0.hstride * 4;
-    moe_up_body<FMT>(a);
+    if (ROUTE) {
+        a.partial += (u64)r * a0.kparts * (a0.E + 1) * 4;
+        a.barrier += (u64)r * 8;
+        a.route_w += (u64)r * nsrc * 4;
+    }
+    moe_up_body<FMT, ROUTE>(a);
 }
 
 template <int FMT>
@@ -322,5 +330,6 @@ DEVI void moe_down_rows_body(const MoeDownArgs& a0) {
 
 extern "C" __global__ void __launch_bounds__(256, 3) moe_up_rows_q4(const MoeUpArgs a) { moe_up_rows_body<FMT_Q4>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) moe_up_rows_bf16(const MoeUpArgs a) { moe_up_rows_body<FMT_BF16>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_route_up_rows_q4(const MoeUpArgs a) { moe_up_rows_body<FMT_Q4, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down_rows_q4(const MoeDownArgs a) { moe_down_rows_body<FMT_Q4>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down_rows_bf16(const MoeDownArgs a) { moe_down_rows_body<FMT_BF16>(a); }

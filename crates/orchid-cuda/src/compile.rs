@@ -58,6 +58,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "moe_down_bf16",
             "moe_up_rows_q4",
             "moe_up_rows_bf16",
+            "moe_route_up_rows_q4",
             "moe_down_rows_q4",
             "moe_down_rows_bf16",
         ],

@@ -11,7 +11,9 @@ use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
 use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_pair_x, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
-use crate::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_up_rows};
+use crate::ops::moe_decode::{
+    FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_route_up_rows, moe_up_rows,
+};
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
 use crate::state::{CudaState, KV_BLOCK};
 use crate::{CudaBackend, CudaTensor};
@@ -422,10 +424,9 @@ pub fn moe_rows(
     let ids = DevBuf::alloc(b.gpu(), t * k * 4)?;
     let wts = DevBuf::alloc(b.gpu(), t * (k + ns) * 4)?;
     let hbuf = DevBuf::alloc(b.gpu(), t * (k + ns) * md.hstride() * 4)?;
-    if t == 1
-        && let Some(norm) = norm
-    {
-        let partial = DevBuf::alloc(b.gpu(), ROUTER_KPARTS * (e + ns) * 4)?;
+    if let Some(norm) = norm {
+        // The router inside the experts' gate/up kernel (each token's top-k before its experts).
+        let partial = DevBuf::alloc(b.gpu(), t * ROUTER_KPARTS * (e + 1) * 4)?;
         let route = FusedRoute {
             router: &w.router,
             shared_gate: w.shared_gate.as_ref(),
@@ -435,9 +436,13 @@ pub fn moe_rows(
             barrier: c.route_barrier.ptr,
             wts: wts.ptr,
         };
-        if can_fuse_route(c, md, &route) {
+        if t == 1 && can_fuse_route(c, md, &route, 1) {
             moe_route_up(c, md, x.ptr(), norm, ids.ptr, hbuf.ptr, &route)?;
             return moe_down(c, md, hbuf.ptr, wts.ptr, ids.ptr, out);
+        }
+        if t > 1 && c.tuning.route_rows && can_fuse_route(c, md, &route, t) {
+            moe_route_up_rows(c, md, x.ptr(), norm, ids.ptr, hbuf.ptr, &route, t)?;
+            return moe_down_rows(c, md, hbuf.ptr, wts.ptr, ids.ptr, out, t);
         }
     }
     let logits = b.tensor(t, e + ns)?;

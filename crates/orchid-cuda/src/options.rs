@@ -71,6 +71,9 @@ pub struct Tuning {
     /// Most K parts of a dense GEMM split along K (`ops::gemm::gemm_kparts`; 1: no split-K;
     /// at most `ops::gemm::GEMM_KPARTS_MAX`).
     pub gemm_kparts_max: usize,
+    /// Batched decode of 2..=8 rows: the router fused into the experts' gate/up kernel
+    /// (`ops::moe_decode::moe_route_up_rows`) where the layer allows; false: the router matvec.
+    pub route_rows: bool,
 }
 
 impl Default for Tuning {
@@ -87,6 +90,7 @@ impl Default for Tuning {
             gemv_rows_max: 8,
             gdn_rows_kernel: 16,
             gemm_kparts_max: 8,
+            route_rows: true,
         }
     }
 }
@@ -106,6 +110,7 @@ impl Tuning {
             gemv_rows_max: self.gemv_rows_max.min(4096),
             gdn_rows_kernel: self.gdn_rows_kernel.min(4096),
             gemm_kparts_max: self.gemm_kparts_max.clamp(1, crate::ops::gemm::GEMM_KPARTS_MAX),
+            route_rows: self.route_rows,
         }
     }
 }
@@ -130,6 +135,7 @@ mod tests {
             gemv_rows_max: 0,
             gdn_rows_kernel: 1 << 20,
             gemm_kparts_max: 0,
+            route_rows: true,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

@@ -1,8 +1,9 @@
 //! Op-level parity of the batch-1 decode MoE kernels (kernels/moe_decode.cu, launched by
 //! ops/moe_decode.rs): RMSNorm on load, routing (the fused `moe_route_up_q4`, or the router
 //! matvec's top-k epilogue then `moe_up_*`), gate/up of every routed and the shared expert, and
-//! `moe_down_*` (weighted down projections added to the residual), on one random token, against
-//! the CPU twin: orchid-cpu's RMSNorm then its MoE block (or MLP), on the bf16-rounded normalised
+//! `moe_down_*` (weighted down projections added to the residual), on one random token and on
+//! several (the batched decode's `*_rows` kernels, the router fused in `moe_route_up_rows_q4`),
+//! against the CPU twin: orchid-cpu's RMSNorm then its MoE block (or MLP), on the bf16-rounded normalised
 //! input (what the kernels feed the tensor cores). Relative L2 in f64, tolerance 1e-2 as the
 //! op-level MoE test in gpu_ops (the expert activations are rounded to bf16 before the down
 //! projection). `#[ignore]`d: needs a GPU (scripts/gpu-test.sh runs it with `--ignored`).
@@ -14,7 +15,9 @@ use orchid_cpu::{CpuBackend, CpuTensor};
 use orchid_cuda::CudaBackend;
 use orchid_cuda::driver::DevBuf;
 use orchid_cuda::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
-use orchid_cuda::ops::moe_decode::{FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_route_up, moe_up};
+use orchid_cuda::ops::moe_decode::{
+    FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_route_up_rows, moe_up, moe_up_rows,
+};
 use orchid_model::backend::{Backend, Mlp, MoeWeights};
 use orchid_model::weights::HostMlp;
 
@@ -33,10 +36,11 @@ fn download(b: &DevBuf, n: usize) -> Vec<f32> {
     v
 }
 
-/// One token through the decode MoE of a layer with `e` experts, top-`k`, hidden `h`, expert
-/// width `i`, shared expert width `is` (0: none); `fused`: the router inside `moe_route_up_q4`.
+/// `t` tokens through the decode MoE of a layer with `e` experts, top-`k`, hidden `h`, expert
+/// width `i`, shared expert width `is` (0: none); `fused`: the router inside `moe_route_up_q4`
+/// (one token) or `moe_route_up_rows_q4`.
 #[allow(clippy::too_many_arguments)]
-fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usize, is: usize, fmt: Fmt, fused: bool) {
+fn moe_case(g: &CudaBackend, rng: &mut Rng, t: usize, e: usize, k: usize, h: usize, i: usize, is: usize, fmt: Fmt, fused: bool) {
     let c = CpuBackend::new();
     let cfg = config(64, h, 1, (2, 1, 64), (1, 1, 32, 32), (e, k, i, is), 1);
     let (eps, md) = (cfg.rms_norm_eps, &cfg.moe);
@@ -45,13 +49,13 @@ fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usi
     let experts: Vec<HostMlp> = (0..e).map(|_| mlp(rng, i, h, fmt, bits)).collect();
     let shared = (is > 0).then(|| mlp(rng, is, h, fmt, bits));
     let sgate = (is > 0).then(|| linear(rng, 1, h, Fmt::Hf, 8));
-    let x = rng.vec(h, 1.0);
+    let x = rng.vec(t * h, 1.0);
     let nw: Vec<f32> = (0..h).map(|_| 1.0 + 0.2 * rng.next()).collect();
-    let resid = rng.vec(h, 1.0);
+    let resid = rng.vec(t * h, 1.0);
 
     // CPU twin: RMSNorm, bf16 rounding, the MoE block.
-    let xn = c.rms_norm(&CpuTensor::from_vec(1, h, x.clone()), &c.upload_vector(&nw).unwrap(), eps).unwrap();
-    let xn = CpuTensor::from_vec(1, h, round_bf16(&c.to_host(&xn).unwrap()));
+    let xn = c.rms_norm(&CpuTensor::from_vec(t, h, x.clone()), &c.upload_vector(&nw).unwrap(), eps).unwrap();
+    let xn = CpuTensor::from_vec(t, h, round_bf16(&c.to_host(&xn).unwrap()));
     let cw = MoeWeights::<CpuBackend> {
         router: c.upload_linear(&router).unwrap(),
         experts: c.upload_experts(&experts).unwrap(),
@@ -73,13 +77,13 @@ fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usi
     let nwg = g.upload_vector(&nw).unwrap();
     let xb = DevBuf::from_slice(gpu, &x).unwrap();
     let out = DevBuf::from_slice(gpu, &resid).unwrap();
-    let hbuf = DevBuf::zeros(gpu, (k + 1) * i.max(is) * 4).unwrap();
-    let ids = DevBuf::zeros(gpu, k * 4).unwrap();
-    let wts = DevBuf::zeros(gpu, (k + 1) * 4).unwrap();
-    let partial = DevBuf::zeros(gpu, ROUTER_KPARTS * (e + 1) * 4).unwrap();
-    let barrier = DevBuf::zeros(gpu, 8).unwrap();
+    let hbuf = DevBuf::zeros(gpu, t * (k + 1) * i.max(is) * 4).unwrap();
+    let ids = DevBuf::zeros(gpu, t * k * 4).unwrap();
+    let wts = DevBuf::zeros(gpu, t * (k + 1) * 4).unwrap();
+    let partial = DevBuf::zeros(gpu, t * ROUTER_KPARTS * (e + 1) * 4).unwrap();
+    let barrier = DevBuf::zeros(gpu, 8 * t).unwrap();
     let counter = DevBuf::zeros(gpu, 4).unwrap();
-    let logits = DevBuf::zeros(gpu, (e + 1) * 4).unwrap();
+    let logits = DevBuf::zeros(gpu, t * (e + 1) * 4).unwrap();
     let m = MoeDecode {
         gate: Some(&ge.gate),
         up: Some(&ge.up),
@@ -101,8 +105,12 @@ fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usi
         wts: wts.ptr,
     };
     if fused {
-        assert!(can_fuse_route(ctx, &m, &fr), "the fused router does not take this layer");
-        moe_route_up(ctx, &m, xb.ptr, norm, ids.ptr, hbuf.ptr, &fr).unwrap();
+        assert!(can_fuse_route(ctx, &m, &fr, t), "the fused router does not take this layer");
+        if t == 1 {
+            moe_route_up(ctx, &m, xb.ptr, norm, ids.ptr, hbuf.ptr, &fr).unwrap();
+        } else {
+            moe_route_up_rows(ctx, &m, xb.ptr, norm, ids.ptr, hbuf.ptr, &fr, t).unwrap();
+        }
     } else {
         let route = RouteEpi {
             counter: counter.ptr,
@@ -112,18 +120,26 @@ fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usi
             topk: k,
             renorm: md.norm_topk_prob,
             shared_col: gsg.as_ref().map(|_| e),
-            partial: partial.ptr,
+            partial: if t == 1 { partial.ptr } else { 0 },
         };
         let mut segs = vec![(&rg, 0)];
         if let Some(sg) = &gsg {
             segs.push((sg, e));
         }
-        gemv(ctx, &segs, xb.ptr, 0, 1, Some(norm), logits.ptr, e + 1, false, Some(route)).unwrap();
-        moe_up(ctx, &m, xb.ptr, norm, ids.ptr, hbuf.ptr).unwrap();
+        gemv(ctx, &segs, xb.ptr, h, t, Some(norm), logits.ptr, e + 1, false, Some(route)).unwrap();
+        if t == 1 {
+            moe_up(ctx, &m, xb.ptr, norm, ids.ptr, hbuf.ptr).unwrap();
+        } else {
+            moe_up_rows(ctx, &m, xb.ptr, norm, ids.ptr, hbuf.ptr, t).unwrap();
+        }
     }
-    moe_down(ctx, &m, hbuf.ptr, wts.ptr, ids.ptr, out.ptr).unwrap();
-    let got: Vec<f32> = download(&out, h).iter().zip(&resid).map(|(o, r)| o - r).collect();
-    let name = format!("decode moe E={e} top-{k} H={h} I={i} Is={is} {fmt:?}{}", if fused { " fused router" } else { "" });
+    if t == 1 {
+        moe_down(ctx, &m, hbuf.ptr, wts.ptr, ids.ptr, out.ptr).unwrap();
+    } else {
+        moe_down_rows(ctx, &m, hbuf.ptr, wts.ptr, ids.ptr, out.ptr, t).unwrap();
+    }
+    let got: Vec<f32> = download(&out, t * h).iter().zip(&resid).map(|(o, r)| o - r).collect();
+    let name = format!("decode moe T={t} E={e} top-{k} H={h} I={i} Is={is} {fmt:?}{}", if fused { " fused router" } else { "" });
     report(&name, rel_l2(&got, &want), 1e-2);
 }
 
@@ -132,13 +148,19 @@ fn moe_case(g: &CudaBackend, rng: &mut Rng, e: usize, k: usize, h: usize, i: usi
 fn decode_moe_kernels_match_the_cpu() {
     let g = gpu();
     let mut rng = Rng::new(11);
-    // The 35B's shape (Q4 experts, bf16 router and shared gate): fused and unfused routing.
-    moe_case(&g, &mut rng, 256, 8, 2048, 512, 512, Fmt::Mlx, true);
-    moe_case(&g, &mut rng, 256, 8, 2048, 512, 512, Fmt::Mlx, false);
-    // Small layers: too few expert blocks for the fused router; no shared expert; bf16 experts.
-    moe_case(&g, &mut rng, 16, 4, 128, 64, 128, Fmt::Mlx, false);
-    moe_case(&g, &mut rng, 64, 4, 256, 128, 0, Fmt::Mlx, false);
-    moe_case(&g, &mut rng, 12, 3, 256, 128, 64, Fmt::Hf, false);
+    // The 35B's shape (Q4 experts, bf16 router and shared gate): fused and unfused routing, one
+    // token and the batched decode's 2-8 (the fused router's K parts shrink with the grid).
+    for t in [1, 2, 3, 4, 8] {
+        moe_case(&g, &mut rng, t, 256, 8, 2048, 512, 512, Fmt::Mlx, true);
+        moe_case(&g, &mut rng, t, 256, 8, 2048, 512, 512, Fmt::Mlx, false);
+    }
+    // Small layers: too few expert blocks for the one-token fused router; no shared expert;
+    // bf16 experts.
+    moe_case(&g, &mut rng, 1, 16, 4, 128, 64, 128, Fmt::Mlx, false);
+    moe_case(&g, &mut rng, 4, 16, 4, 128, 64, 128, Fmt::Mlx, true);
+    moe_case(&g, &mut rng, 1, 64, 4, 256, 128, 0, Fmt::Mlx, false);
+    moe_case(&g, &mut rng, 3, 64, 4, 256, 128, 0, Fmt::Mlx, true);
+    moe_case(&g, &mut rng, 1, 12, 3, 256, 128, 64, Fmt::Hf, false);
 }
 
 #[test]

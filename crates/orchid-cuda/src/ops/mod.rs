@@ -30,8 +30,9 @@ pub struct Ctx {
     /// (`gemv::RouteEpi`): zero between launches (the last block resets it), so every router
     /// launch on the stream shares it.
     pub route_counter: DevBuf,
-    /// The grid barrier of the router fused into a one-token MoE (`moe_decode::moe_route_up`,
-    /// two u32 counters the kernel resets), shared the same way.
+    /// The grid barriers of the router fused into a decode MoE (`moe_decode::moe_route_up`, two
+    /// u32 counters per token, up to `moe_decode::ROUTE_ROWS_MAX` tokens, that the kernel
+    /// resets), shared the same way.
     pub route_barrier: DevBuf,
     kernels: HashMap<&'static str, Kernel>,
 }
@@ -66,7 +67,7 @@ impl Ctx {
         }
         let pdl = opts.pdl && gpu.cc.0 >= 9;
         let route_counter = DevBuf::zeros(&gpu, 4)?;
-        let route_barrier = DevBuf::zeros(&gpu, 8)?;
+        let route_barrier = DevBuf::zeros(&gpu, 8 * moe_decode::ROUTE_ROWS_MAX)?;
         Ok(Ctx { gpu, tuning: opts.tuning.clamped(), pdl, route_counter, route_barrier, kernels })
     }
 
@@ -78,7 +79,7 @@ impl Ctx {
             tuning: tuning.clamped(),
             pdl: self.pdl,
             route_counter: DevBuf::zeros(&self.gpu, 4)?,
-            route_barrier: DevBuf::zeros(&self.gpu, 8)?,
+            route_barrier: DevBuf::zeros(&self.gpu, 8 * moe_decode::ROUTE_ROWS_MAX)?,
             kernels: self.kernels.clone(),
         })
     }

@@ -119,12 +119,20 @@ impl MoeDecode<'_> {
     pub fn hstride(&self) -> usize {
         self.gate.map_or(0, |g| g.rows).max(self.sh_gate.map_or(0, |g| g.rows))
     }
+    /// Whether a shared (or dense) MLP runs beside the routed experts (source `topk`).
+    pub fn has_shared(&self) -> bool {
+        self.sh_gate.is_some() && self.sh_up.is_some()
+    }
+    /// Sources of the gate/up kernels: the routed experts, then the shared MLP.
+    pub fn nsrc(&self) -> usize {
+        self.topk + self.has_shared() as usize
+    }
 }
 
 /// The router of a decode MoE layer, fused into `moe_up` by `moe_route_up` (kernels/moe_decode.cu
-/// route_phase): bf16 router [e rows] and shared-expert gate row, `partial` f32 [kparts][e + 1],
-/// `barrier` two zeroed u32 counters (reset by the kernel itself), `ids` / `wts` the routing for
-/// moe_down.
+/// route_phase): bf16 router [e rows] and shared-expert gate row, `partial` f32 [rows][kparts][e +
+/// 1] (`ROUTER_KPARTS` parts are always room enough), `barrier` two zeroed u32 counters per token
+/// (reset by the kernel itself), `ids` / `wts` the routing for moe_down.
 pub struct FusedRoute<'a> {
     pub router: &'a GpuLinear,
     pub shared_gate: Option<&'a GpuLinear>,
@@ -135,30 +143,67 @@ pub struct FusedRoute<'a> {
     pub wts: u64,
 }
 
-/// Whether `moe_route_up` can take this layer: Q4 experts, bf16 router (and shared gate) with the
-/// experts' K, E a multiple of 16 (≤ 512), top-k ≤ 32, and every block of the grid resident at
-/// once (its grid barrier needs that).
-pub fn can_fuse_route(c: &Ctx, m: &MoeDecode, r: &FusedRoute) -> bool {
-    let Ok(fmt) = m.fmt() else { return false };
-    let (Some(g), Some(_)) = (m.gate, m.up) else { return false };
+/// Most tokens of one fused-router launch (`moe_route_up_rows`): the batched decode's per-token
+/// expert kernels take at most this many.
+pub const ROUTE_ROWS_MAX: usize = 8;
+
+/// Static shared memory of the fused router's top-k (route_phase), on top of `moe_up`'s.
+const ROUTE_SMEM: usize = 2560;
+
+/// K parts of the router fused into `moe_up`, whose router blocks are the first `router_tiles` x
+/// parts of a token's `blocks`: one token takes `ROUTER_KPARTS` (None if its blocks are fewer);
+/// several tokens, whose grid `rows_ksplit` keeps to one wave, as many as their blocks hold.
+pub fn route_kparts(router_tiles: usize, blocks: usize, rows: usize) -> Option<usize> {
+    let kp = (blocks / router_tiles.max(1)).min(ROUTER_KPARTS);
+    (kp == ROUTER_KPARTS || (rows > 1 && kp >= 1)).then_some(kp)
+}
+
+/// Warps per 16-row tile and dynamic shared memory of a `moe_up` launch over `rows` tokens
+/// (None: the one-token kernels), `route`: with the router fused in.
+fn up_shape(c: &Ctx, m: &MoeDecode, fmt: WFormat, kpad: usize, rows: Option<usize>, route: bool) -> (usize, usize) {
+    let ks = match c.tuning.moe_up_ksplit {
+        0 => moe_up_ksplit(units_of(fmt, kpad)),
+        k => k.next_power_of_two(),
+    };
+    let smem = ring_bytes(fmt) + x_stage_bytes(fmt, kpad) + (kpad / 64) * 4 + 8 * 32 * 8 * 4;
+    let resident = gemv_resident(c, smem + if route { ROUTE_SMEM } else { 0 });
+    let ks = match rows {
+        Some(r) if c.tuning.moe_up_ksplit == 0 => rows_ksplit(ks, m.hstride().div_ceil(16), m.nsrc() * r, resident),
+        _ => ks,
+    };
+    (ks, smem)
+}
+
+/// Whether `moe_route_up` (one token) or `moe_route_up_rows` (`rows` tokens, at most
+/// `ROUTE_ROWS_MAX`) can take this layer: Q4 experts, bf16 router (and shared gate) with the
+/// experts' K, E a multiple of 16 (≤ 512), top-k ≤ 32, room for the router's K parts among a
+/// token's blocks (`route_kparts`), and every block of the grid resident at once (its per-token
+/// barriers need that).
+pub fn can_fuse_route(c: &Ctx, m: &MoeDecode, r: &FusedRoute, rows: usize) -> bool {
+    route_launch(c, m, r, rows).is_some()
+}
+
+/// (warps per tile, K parts) of a fused-router launch, if it can take the layer (`can_fuse_route`).
+fn route_launch(c: &Ctx, m: &MoeDecode, r: &FusedRoute, rows: usize) -> Option<(usize, usize)> {
+    let fmt = m.fmt().ok()?;
+    let (Some(g), Some(_)) = (m.gate, m.up) else { return None };
     let sg_ok = r.shared_gate.is_none_or(|s| s.fmt == WFormat::Bf16 && s.kpad == g.kpad && s.cols == g.cols);
-    let shared = r.shared_gate.is_some() && m.sh_gate.is_some();
     if fmt != WFormat::Q4
         || r.router.fmt != WFormat::Bf16
         || r.router.kpad != g.kpad
         || !sg_ok
-        || r.shared_gate.is_some() != m.sh_gate.is_some()
+        || r.shared_gate.is_some() != m.has_shared()
+        || !(1..=ROUTE_ROWS_MAX).contains(&rows)
     {
-        return false;
+        return None;
     }
     if !r.e.is_multiple_of(16) || r.e > 512 || m.topk > 32 || r.e != r.router.rows {
-        return false;
+        return None;
     }
-    let ks = moe_up_ksplit(units_of(fmt, g.kpad));
-    let blocks = m.hstride().div_ceil(16).div_ceil(8 / ks) * (m.topk + shared as usize);
-    let router_blocks = (r.e / 16 + shared as usize) * ROUTER_KPARTS;
-    let smem = ring_bytes(fmt) + x_stage_bytes(fmt, g.kpad) + (g.kpad / 64) * 4 + 8 * 32 * 8 * 4 + 2560;
-    router_blocks <= blocks && blocks <= gemv_resident(c, smem)
+    let (ks, smem) = up_shape(c, m, fmt, g.kpad, (rows > 1).then_some(rows), true);
+    let blocks = m.hstride().div_ceil(16).div_ceil(8 / ks) * m.nsrc();
+    let kp = route_kparts(r.e / 16 + m.has_shared() as usize, blocks, rows)?;
+    (blocks * rows <= gemv_resident(c, smem + ROUTE_SMEM)).then_some((ks, kp))
 }
 
 /// h[src] = silu(gate_src · xn) ⊙ (up_src · xn), xn = rms_norm(x) (one token).
@@ -174,10 +219,15 @@ pub fn moe_up_rows(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h
 
 /// Router and `moe_up` in one kernel (see `FusedRoute`); `ids` receives the routing for moe_down.
 pub fn moe_route_up(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64, r: &FusedRoute) -> Result<()> {
-    if !can_fuse_route(c, m, r) {
-        return Err(Error::Op { op: "moe_route_up", msg: "layer shape not supported by the fused router".into() });
-    }
     moe_up_impl(c, m, x, norm, ids, h, Some(r), None)
+}
+
+/// `moe_route_up` of `rows` tokens (as `moe_up_rows`; ids [rows, topk], the routing weights
+/// [rows, nsrc]): each token routed as the one-token kernel routes it, with the K parts its
+/// blocks hold (`route_kparts`).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_up_rows(c: &Ctx, m: &MoeDecode, x: u64, norm: (u64, f32), ids: u64, h: u64, r: &FusedRoute, rows: usize) -> Result<()> {
+    moe_up_impl(c, m, x, norm, ids, h, Some(r), Some(rows))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -213,20 +263,20 @@ fn moe_up_impl(
         a.has_shared = 1;
     }
     a.hstride = m.hstride() as i32;
-    let ks = match c.tuning.moe_up_ksplit {
-        0 => moe_up_ksplit(units_of(fmt, kpad)),
-        k => k.next_power_of_two(),
-    };
     let tiles = m.hstride().div_ceil(16);
-    let nsrc = m.topk + a.has_shared as usize;
-    let smem = ring_bytes(fmt) + x_stage_bytes(fmt, kpad) + (kpad / 64) * 4 + 8 * 32 * 8 * 4;
-    let ks = match rows {
-        Some(r) if c.tuning.moe_up_ksplit == 0 => rows_ksplit(ks, tiles, nsrc * r, gemv_resident(c, smem)),
-        _ => ks,
+    let nsrc = m.nsrc();
+    let (mut ks, smem) = up_shape(c, m, fmt, kpad, rows, false);
+    let mut name = match (fmt, rows) {
+        (WFormat::Q4, None) => "moe_up_q4",
+        (WFormat::Bf16, None) => "moe_up_bf16",
+        (WFormat::Q4, Some(_)) => "moe_up_rows_q4",
+        (WFormat::Bf16, Some(_)) => "moe_up_rows_bf16",
     };
-    a.ksplit = ks as i32;
-    let mut name = if fmt == WFormat::Q4 { "moe_up_q4" } else { "moe_up_bf16" };
     if let Some(r) = route {
+        let Some((rks, kp)) = route_launch(c, m, r, rows.unwrap_or(1)) else {
+            return Err(Error::Op { op: "moe_route_up", msg: "layer shape not supported by the fused router".into() });
+        };
+        ks = rks;
         a.router_w = r.router.w_ptr();
         a.sgate_w = r.shared_gate.map_or(0, |s| s.w_ptr());
         a.partial = r.partial;
@@ -234,13 +284,11 @@ fn moe_up_impl(
         a.route_w = r.wts;
         a.e = r.e as i32;
         a.renorm = r.renorm as i32;
-        a.kparts = ROUTER_KPARTS as i32;
-        a.router_blocks = ((r.e / 16 + a.has_shared as usize) * ROUTER_KPARTS) as i32;
-        name = "moe_route_up_q4";
+        a.kparts = kp as i32;
+        a.router_blocks = ((r.e / 16 + a.has_shared as usize) * kp) as i32;
+        name = if rows.is_some() { "moe_route_up_rows_q4" } else { "moe_route_up_q4" };
     }
-    if rows.is_some() {
-        name = if fmt == WFormat::Q4 { "moe_up_rows_q4" } else { "moe_up_rows_bf16" };
-    }
+    a.ksplit = ks as i32;
     c.k(name).launch(&c.gpu, (tiles.div_ceil(8 / ks) as u32, nsrc as u32, rows.unwrap_or(1) as u32), 256, smem as u32, &a)
 }
 
@@ -309,6 +357,17 @@ mod tests {
         assert_eq!(moe_up_ksplit(4), 2);
         assert_eq!(moe_up_ksplit(1), 1);
         assert_eq!(moe_up_ksplit(64), 8); // bf16 K = 2048: 64 units, four batches
+    }
+
+    #[test]
+    fn fused_router_parts() {
+        // Qwen3.6-35B-A3B: 17 router tiles (256 experts, the shared gate); a token's blocks at 1 /
+        // 2 / 4 / 8 tokens (rows_split below): 288, 144, 72, 36.
+        let kp = |blocks: usize, rows: usize| route_kparts(17, blocks, rows);
+        assert_eq!((kp(288, 1), kp(144, 2), kp(72, 4), kp(36, 8)), (Some(8), Some(8), Some(4), Some(2)));
+        // One token needs every part; several take what fits, at least one.
+        assert_eq!((route_kparts(2, 5, 1), route_kparts(2, 5, 4)), (None, Some(2)));
+        assert_eq!((route_kparts(4, 4, 3), route_kparts(5, 4, 3)), (Some(1), None));
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! - `ORCHID_TUNE_<KNOB>=<n>`: launch shapes for A/B runs (`orchid_cuda::Tuning`: GEMV_PER_SM,
 //!   MOE_UP_KSPLIT, MOE_DOWN_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES,
 //!   ATTN_PREFILL_SPLITS (1: no split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS,
-//!   GEMM_KPARTS_MAX (1: no split-K GEMMs)).
+//!   GEMM_KPARTS_MAX (1: no split-K GEMMs), ROUTE_ROWS (0: batched decode without the router
+//!   fused into the experts' kernel)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -62,6 +63,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 gemv_rows_max: tune("GEMV_ROWS_MAX", t.gemv_rows_max),
                 gdn_rows_kernel: tune("GDN_ROWS", t.gdn_rows_kernel),
                 gemm_kparts_max: tune("GEMM_KPARTS_MAX", t.gemm_kparts_max),
+                route_rows: tune("ROUTE_ROWS", t.route_rows as usize) != 0,
             },
         }
     })
