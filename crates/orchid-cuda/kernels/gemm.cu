@@ -22,6 +22,8 @@
 // list positions p = first + i, reading prepared row x_rows[p] (or p) and writing out row p.
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
 // same row indices; the block writes silu(gate) · up for 64 output rows (C tile rows r and 64 + r).
+// Otherwise, with m1 > 0, W2 continues W: output row m ≥ m1 is W2's row m − m1 (the router and the
+// shared-expert gate in one GEMM).
 // With xs_out, a PAIR writes its outputs prepared for the next GEMM, as gemm_xprep would: out is
 // bf16 rows [*, ldo] and xs_out their 64-group sums [*, ldo / 64] (a block's 64 rows are one
 // group; the launcher asks for M % 128 == 0 and ldo == M, so no padding columns exist).
@@ -299,19 +301,25 @@ DEVI void gemm_body(const GemmArgs& a) {
     auto s_ok = [&]() { return (PAIR ? ((int)threadIdx.x & (BM / 2 - 1)) : (int)threadIdx.x) < mrem; };
     auto b_ok = [&](int i) { return (int)(threadIdx.x >> 4) + 16 * i < count; };
     auto x_ok = [&]() { return (int)threadIdx.x < count; };  // (only asked for tid < BN)
+    // Weight row `row` of the block's matrix: W's, or (a.m1 > 0, not PAIR) W2's row row − m1 from
+    // row m1 on (two weights read as one, rows concatenated).
+    auto second = [&](i64 row) { return !PAIR && a.m1 > 0 && row >= a.m1; };
     const unsigned char* srcA[QA];
 #pragma unroll
     for (int i = 0; i < QA; ++i) {
         const int r = a_row(i), rr = PAIR ? (r & (BM / 2 - 1)) : r;
         const int ch = FMT == FMT_Q4 ? (threadIdx.x & 3) : (threadIdx.x & 15);
-        const i64 off = FMT == FMT_Q4 ? q4_offset(wrow0 + rr, 0, a.kpad) : (wrow0 + rr) * a.kpad * 2;
-        srcA[i] = (const unsigned char*)((PAIR && r >= BM / 2) ? a.w2 : a.w) + (a_ok(i) ? off + ch * 16 : 0);
+        const bool w2 = PAIR ? r >= BM / 2 : second(wrow0 + rr);
+        const i64 row = wrow0 + rr - (!PAIR && w2 ? a.m1 : 0);
+        const i64 off = FMT == FMT_Q4 ? q4_offset(row, 0, a.kpad) : row * a.kpad * 2;
+        srcA[i] = (const unsigned char*)(w2 ? a.w2 : a.w) + (a_ok(i) ? off + ch * 16 : 0);
     }
     const unsigned char* srcS = (const unsigned char*)a.sb;
     if (FMT == FMT_Q4 && threadIdx.x < BM) {
         const int q = threadIdx.x;
-        srcS = (const unsigned char*)((PAIR && q >= BM / 2) ? a.sb2 : a.sb);
-        if (s_ok()) srcS += q4_sb_offset(wrow0 + (PAIR ? (q & (BM / 2 - 1)) : q), 0, a.kpad);
+        const bool w2 = PAIR ? q >= BM / 2 : second(wrow0 + q);
+        srcS = (const unsigned char*)(w2 ? a.sb2 : a.sb);
+        if (s_ok()) srcS += q4_sb_offset(wrow0 + (PAIR ? (q & (BM / 2 - 1)) : q - (w2 ? a.m1 : 0)), 0, a.kpad);
     }
     const unsigned char* srcB[BR];
 #pragma unroll

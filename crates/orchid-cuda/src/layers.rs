@@ -9,8 +9,8 @@ use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
-use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_pair_x, gemm_x, matmul, matmul_x};
-use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv};
+use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_concat, gemm_pair_x, gemm_x, matmul, matmul_x};
+use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv, use_gemv};
 use crate::ops::moe_decode::{
     FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_route_up_rows, moe_up_rows,
 };
@@ -326,14 +326,28 @@ pub fn moe_into(
         return moe_rows(b, x, None, w, dims, &md, out);
     }
     let gpu = b.gpu();
-    let logits = b.tensor(t, e)?;
     // x rounded to bf16 with its group sums, once for every GEMM that reads it (router, experts'
     // gate/up, shared expert and its gate).
     let xp = match xp {
         Some(xp) => xp,
         None => gemm_x(c, x.ptr(), h, t, h)?,
     };
-    matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), e)?;
+    // Router logits [t, e], then the shared-expert gate's logit in column e: one GEMM of both
+    // weights where they share format and K.
+    let ldl = e + w.shared_gate.is_some() as usize;
+    let logits = b.tensor(t, ldl)?;
+    let gemm_path = !use_gemv(c, t) && xp.k == w.router.cols && xp.kpad == w.router.kpad;
+    match &w.shared_gate {
+        Some(sg) if gemm_path && sg.fmt == w.router.fmt && sg.kpad == w.router.kpad && sg.cols == w.router.cols => {
+            gemm_concat(c, &w.router, sg, &xp, t, logits.ptr(), ldl)?
+        }
+        sg => {
+            matmul_x(c, &w.router, x.ptr(), h, &xp, t, logits.ptr(), ldl)?;
+            if let Some(sg) = sg {
+                matmul_x(c, sg, x.ptr(), h, &xp, t, logits.ptr() + (e * 4) as u64, ldl)?;
+            }
+        }
+    }
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
     let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e));
     let max_tiles = (t * k).div_ceil(bn) + e;
@@ -345,6 +359,7 @@ pub fn moe_into(
     let route = if t * k <= mo::ROUTE_SMALL_MAX { mo::route_small } else { mo::route_chain };
     let r = mo::Routing {
         logits: logits.ptr(),
+        ldl,
         t,
         e,
         k,
@@ -363,9 +378,7 @@ pub fn moe_into(
     gemm(c, &w.experts.down, None, &hp, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
     // Shared expert (all tokens) and its sigmoid gate.
     let mut shared_out = None;
-    if let (Some(m), Some(gw)) = (&w.shared, &w.shared_gate) {
-        let sg = b.tensor(t, 1)?;
-        matmul_x(c, gw, x.ptr(), h, &xp, t, sg.ptr(), 1)?;
+    if let (Some(m), Some(_)) = (&w.shared, &w.shared_gate) {
         let is = m.gate_proj.rows;
         let sh = b.tensor(t, h)?;
         if t <= 8 {
@@ -378,7 +391,7 @@ pub fn moe_into(
             let shp = gemm_pair_x(c, &m.gate_proj, &m.up_proj, &xp, 0, t, None)?;
             gemm(c, &m.down_proj, None, &shp, 0, t, None, sh.ptr(), h)?;
         }
-        shared_out = Some((sh, sg));
+        shared_out = Some(sh);
     }
     mo::combine(
         c,
@@ -386,13 +399,13 @@ pub fn moe_into(
             y: ybuf.ptr,
             wts: wts.ptr,
             slot_pos: slot_pos.ptr,
-            shared: shared_out.as_ref().map_or(0, |s| s.0.ptr()),
-            shared_gate: shared_out.as_ref().map_or(0, |s| s.1.ptr()),
+            shared: shared_out.as_ref().map_or(0, |s| s.ptr()),
+            shared_gate: logits.ptr() + (e * 4) as u64,
             out,
             t: t as i32,
             h: h as i32,
             topk: k as i32,
-            ld_sg: 1,
+            ld_sg: ldl as i32,
             acc: accumulate as i32,
             pad0: 0,
         },

@@ -253,6 +253,42 @@ fn gemm_pair_split_k() {
     }
 }
 
+/// Two weights read as one GEMM (`gemm_concat`: the router and the shared-expert gate): each
+/// output column equals the GEMM of its own weight, bit for bit where both split K alike (the
+/// router's shape), else within the split-K tolerance; Q4 too (its scale words follow the rows).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_concat_equals_two_gemms() {
+    let g = gpu();
+    let mut rng = Rng::new(29);
+    for &(k, n1, n2, fmt, name) in &[(2048usize, 256usize, 1usize, Fmt::Hf, "bf16"), (1024, 200, 72, Fmt::Mlx, "q4")] {
+        let bits = if fmt == Fmt::Mlx { 4 } else { 8 };
+        let (w1, w2) = (linear(&mut rng, n1, k, fmt, bits), linear(&mut rng, n2, k, fmt, bits));
+        let (g1, g2) = (g.upload_linear(&w1).unwrap(), g.upload_linear(&w2).unwrap());
+        for &t in &[16usize, 64, 200] {
+            let x = rng.vec(t * k, 1.0);
+            let gx = up(&g, t, k, &x);
+            let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+            let n = n1 + n2;
+            let both = g.tensor(t, n).unwrap();
+            gemm::gemm_concat(&g.ctx, &g1, &g2, &xp, t, both.ptr(), n).unwrap();
+            let (o1, o2) = (g.tensor(t, n1).unwrap(), g.tensor(t, n2).unwrap());
+            gemm::gemm(&g.ctx, &g1, None, &xp, 0, t, None, o1.ptr(), n1).unwrap();
+            gemm::gemm(&g.ctx, &g2, None, &xp, 0, t, None, o2.ptr(), n2).unwrap();
+            let (both, o1, o2) = (host(&g, &both), host(&g, &o1), host(&g, &o2));
+            let want: Vec<f32> = (0..t).flat_map(|r| o1[r * n1..(r + 1) * n1].iter().chain(&o2[r * n2..(r + 1) * n2]).copied()).collect();
+            let parts =
+                |rows: usize| gemm::gemm_kparts(rows.div_ceil(128), k / 128, t, g.ctx.gpu.sms as usize, g.ctx.tuning.gemm_kparts_max);
+            let tag = format!("{name} T={t} K={k} rows {n1} + {n2}");
+            if parts(n) == parts(n1) && parts(n) == parts(n2) {
+                report_same(&format!("gemm_concat = two GEMMs {tag} ({} K parts)", parts(n)), &both, &want);
+            } else {
+                report(&format!("gemm_concat vs two GEMMs {tag}"), rel_l2(&both, &want), 1e-5);
+            }
+        }
+    }
+}
+
 /// The gate/up pair written prepared for the down projection (`gemm_pair_x`: in the one-pass
 /// GEMM's epilogue, in the split-K reduction, or for other shapes, here N = 1000, through
 /// `gemm_x`) gives the bytes of the pair's f32 rows prepared by `gemm_x`.
@@ -859,6 +895,7 @@ fn moe_route_small_equals_chain() {
                 let route = if small { mo::route_small } else { mo::route_chain };
                 let r = mo::Routing {
                     logits: gl.ptr(),
+                    ldl: e,
                     t,
                     e,
                     k,

@@ -38,7 +38,8 @@ crate::kernel_abi! {
         t: i32 => "T",
         /// One pass (not PAIR): add the products onto `out` instead of storing them.
         acc: i32,
-        pad1: i32,
+        /// Not PAIR: rows of `w`, whose rows `w2` continues (0: `w` alone; `gemm_concat`).
+        m1: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct SplitkArgs {
@@ -226,7 +227,21 @@ pub fn gemm(
     ldo: usize,
 ) -> Result<()> {
     let kparts = if grouped.is_none() { dense_kparts(c, w, w2.is_some(), t) } else { 1 };
-    gemm_launch(c, w, w2, x, x_rows, t, grouped, out, ldo, 0, kparts, false)
+    gemm_launch(c, w, w2, None, x, x_rows, t, grouped, out, ldo, 0, kparts, false)
+}
+
+/// `gemm` of two dense weights of the same format and K read as one, `w2`'s rows after `w`'s:
+/// out[n, r] for r < w.rows from `w`, then w.rows + r' from `w2` (the router and the
+/// shared-expert gate in one launch). Each output is the sum `gemm` gives for its weight alone
+/// whenever both split K alike (`gemm_kparts` of the row blocks of both: for the router of 256
+/// rows and the gate's one row, the same 4 parts as each alone on an H200).
+pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, out: u64, ldo: usize) -> Result<()> {
+    if w2.fmt != w.fmt || w2.kpad != w.kpad || w2.cols != w.cols || w.count != 1 || w2.count != 1 {
+        return Err(Error::Op { op: "gemm concat", msg: "the two weights differ in format or K".into() });
+    }
+    let gx = (w.rows + w2.rows).div_ceil(128);
+    let kparts = gemm_kparts(gx, w.kpad / 128, t, c.gpu.sms as usize, c.tuning.gemm_kparts_max);
+    gemm_launch(c, w, None, Some(w2), x, 0, t, None, out, ldo, 0, kparts, false)
 }
 
 /// The gate/up `gemm` pair (silu(gate) ⊙ up) written prepared for the GEMM that reads it (the
@@ -242,7 +257,7 @@ pub fn gemm_pair_x(c: &Ctx, gate: &GpuLinear, up: &GpuLinear, x: &GemmX, x_rows:
     }
     let xp = GemmX::alloc(c, m, t, m)?;
     let kparts = if grouped.is_none() { dense_kparts(c, gate, true, t) } else { 1 };
-    gemm_launch(c, gate, Some(up), x, x_rows, t, grouped, xp.xb(), m, xp.xs(), kparts, false)?;
+    gemm_launch(c, gate, Some(up), None, x, x_rows, t, grouped, xp.xb(), m, xp.xs(), kparts, false)?;
     Ok(xp)
 }
 
@@ -261,14 +276,17 @@ pub fn gemm_split(
     kparts: usize,
     accumulate: bool,
 ) -> Result<()> {
-    gemm_launch(c, w, w2, x, 0, t, None, out, ldo, 0, kparts, accumulate)
+    gemm_launch(c, w, w2, None, x, 0, t, None, out, ldo, 0, kparts, accumulate)
 }
 
+/// The GEMM launch (and its split-K reduction) behind `gemm`, `gemm_pair_x`, `gemm_split` and
+/// `gemm_concat`: `w2` the up weight of a gate/up pair, `concat` a weight whose rows follow `w`'s.
 #[allow(clippy::too_many_arguments)]
 fn gemm_launch(
     c: &Ctx,
     w: &GpuLinear,
     w2: Option<&GpuLinear>,
+    concat: Option<&GpuLinear>,
     x: &GemmX,
     x_rows: u64,
     t: usize,
@@ -297,7 +315,12 @@ fn gemm_launch(
         return Err(Error::Op { op: "gemm pair", msg: "gate and up differ in format or shape".into() });
     }
     let pair = w2.is_some();
-    let gx = w.rows.div_ceil(if pair { 64 } else { 128 });
+    if concat.is_some() && (pair || grouped.is_some() || xs_out != 0) {
+        return Err(Error::Op { op: "gemm concat", msg: "two weights in a row are dense and one pass of plain outputs".into() });
+    }
+    // Output rows: w's, then concat's.
+    let m = w.rows + concat.map_or(0, |u| u.rows);
+    let gx = m.div_ceil(if pair { 64 } else { 128 });
     // K parts (grid.z): at most one per k-step (grouped: one).
     let kparts = if grouped.is_some() { 1 } else { kparts.clamp(1, (w.kpad / 128).max(1)) };
     // Token tile: split-K fills the SMs itself (`gemm_kparts`), without the narrower tiles of
@@ -317,13 +340,13 @@ fn gemm_launch(
         return Err(Error::Op { op: "gemm", msg: format!("split-K over {t} tokens (at most 65535: the reduction's grid)") });
     }
     // Split-K: the parts' partial sums [kparts][t][ldp] (PAIR: gate, then up), reduced below.
-    let ldp = w.rows.next_multiple_of(4) * if pair { 2 } else { 1 };
+    let ldp = m.next_multiple_of(4) * if pair { 2 } else { 1 };
     let scratch = if kparts > 1 { Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?) } else { None };
     let a = GemmArgs {
         w: w.w_ptr(),
         sb: w.sb_ptr(),
-        w2: w2.map_or(0, |u| u.w_ptr()),
-        sb2: w2.map_or(0, |u| u.sb_ptr()),
+        w2: w2.or(concat).map_or(0, |u| u.w_ptr()),
+        sb2: w2.or(concat).map_or(0, |u| u.sb_ptr()),
         x: x.xb(),
         xs: x.xs(),
         x_rows,
@@ -331,26 +354,26 @@ fn gemm_launch(
         tiles: grouped.as_ref().map_or(0, |g| g.tiles),
         num_tiles: grouped.as_ref().map_or(0, |g| g.num_tiles),
         xs_out: if kparts > 1 { 0 } else { xs_out },
-        m: w.rows as i32,
+        m: m as i32,
         rows_e: w.rows_pad as i32,
         k: w.cols as i32,
         kpad: w.kpad as i32,
         ldo: if kparts > 1 { ldp } else { ldo } as i32,
         t: t as i32,
         acc: (accumulate && kparts == 1) as i32,
-        pad1: 0,
+        m1: concat.map_or(0, |_| w.rows as i32),
     };
     let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
     let Some(part) = scratch else { return Ok(()) };
-    let vec = w.rows.is_multiple_of(4) && ldo.is_multiple_of(4) && out.is_multiple_of(16);
+    let vec = m.is_multiple_of(4) && ldo.is_multiple_of(4) && out.is_multiple_of(16);
     let r = SplitkArgs {
         part: part.ptr,
         out,
         xs: xs_out,
         t: t as i32,
-        m: w.rows as i32,
+        m: m as i32,
         ldp: ldp as i32,
         ldo: ldo as i32,
         kparts: kparts as i32,
@@ -358,7 +381,7 @@ fn gemm_launch(
         acc: accumulate as i32,
         pad0: 0,
     };
-    let threads = if vec { w.rows / 4 } else { w.rows };
+    let threads = if vec { m / 4 } else { m };
     let name = if vec { "gemm_splitk_reduce4" } else { "gemm_splitk_reduce" };
     c.k(name).launch(&c.gpu, (threads.div_ceil(256) as u32, t as u32, 1), 256, 0, &r)
 }

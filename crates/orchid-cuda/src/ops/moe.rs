@@ -96,13 +96,14 @@ pub fn scatter(c: &Ctx, a: &ScatterArgs, e: usize) -> Result<()> {
     c.k("moe_scatter").launch(&c.gpu, (e as u32, 1, 1), 256, 0, a)
 }
 
-/// One MoE layer's routing: `t` tokens' logits over `e` experts [t, e] in; out, each token's
+/// One MoE layer's routing: `t` tokens' logits over `e` experts [t, e] (row stride `ldl` ≥ e) in; out, each token's
 /// top-`k` weights [t, k] (renormalised where `renorm`), the grouped GEMMs' tile table (tiles of
 /// `bn` tokens) and its count, and the expert-ordered lists (`assign_tok`: the token of each
 /// list position; `slot_pos`: the list position of each (token, slot)).
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
     pub logits: u64,
+    pub ldl: usize,
     pub t: usize,
     pub e: usize,
     pub k: usize,
@@ -119,7 +120,18 @@ impl Routing {
     /// The top-k launch of this routing, with `ids` out and `counts` (0: none) counted.
     fn topk_args(&self, ids: u64, counts: u64) -> TopkArgs {
         let (t, e, topk) = (self.t as i32, self.e as i32, self.k as i32);
-        TopkArgs { logits: self.logits, ids, wts: self.wts, counts, t, e, topk, renorm: self.renorm as i32, ldl: e, ..Default::default() }
+        TopkArgs {
+            logits: self.logits,
+            ids,
+            wts: self.wts,
+            counts,
+            t,
+            e,
+            topk,
+            renorm: self.renorm as i32,
+            ldl: self.ldl as i32,
+            ..Default::default()
+        }
     }
 }
 
