@@ -449,11 +449,11 @@ pub fn moe_rows(
             barrier: c.route_barrier.ptr,
             wts: wts.ptr,
         };
-        if t == 1 && can_fuse_route(c, md, &route, 1) {
-            moe_route_up(c, md, x.ptr(), norm, ids.ptr, hbuf.ptr, &route)?;
-            return moe_down(c, md, hbuf.ptr, wts.ptr, ids.ptr, out);
-        }
-        if t > 1 && c.tuning.route_rows && can_fuse_route(c, md, &route, t) {
+        if can_fuse_route(c, md, &route, t) {
+            if t == 1 {
+                moe_route_up(c, md, x.ptr(), norm, ids.ptr, hbuf.ptr, &route)?;
+                return moe_down(c, md, hbuf.ptr, wts.ptr, ids.ptr, out);
+            }
             moe_route_up_rows(c, md, x.ptr(), norm, ids.ptr, hbuf.ptr, &route, t)?;
             return moe_down_rows(c, md, hbuf.ptr, wts.ptr, ids.ptr, out, t);
         }

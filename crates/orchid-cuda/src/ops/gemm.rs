@@ -90,8 +90,12 @@ pub fn gemm_kparts(row_blocks: usize, ksteps: usize, t: usize, sms: usize, max: 
 /// `gemm_kparts` of a dense GEMM of `w` (PAIR: with an up weight of its shape) over `t` tokens
 /// on this context's GPU with its tuning.
 pub fn dense_kparts(c: &Ctx, w: &GpuLinear, pair: bool, t: usize) -> usize {
-    let gx = w.rows.div_ceil(if pair { 64 } else { 128 });
-    gemm_kparts(gx, w.kpad / 128, t, c.gpu.sms as usize, c.tuning.gemm_kparts_max)
+    kparts_of_rows(c, w.rows.div_ceil(if pair { 64 } else { 128 }), w.kpad, t)
+}
+
+/// `gemm_kparts` of a dense GEMM of `row_blocks` row blocks and padded K `kpad` on this GPU.
+fn kparts_of_rows(c: &Ctx, row_blocks: usize, kpad: usize, t: usize) -> usize {
+    gemm_kparts(row_blocks, kpad / 128, t, c.gpu.sms as usize, c.tuning.gemm_kparts_max)
 }
 
 /// Token-tile width: 32 for sparse groups (fewer than 32 tokens per expert on average: the
@@ -239,8 +243,7 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
     if w2.fmt != w.fmt || w2.kpad != w.kpad || w2.cols != w.cols || w.count != 1 || w2.count != 1 {
         return Err(Error::Op { op: "gemm concat", msg: "the two weights differ in format or K".into() });
     }
-    let gx = (w.rows + w2.rows).div_ceil(128);
-    let kparts = gemm_kparts(gx, w.kpad / 128, t, c.gpu.sms as usize, c.tuning.gemm_kparts_max);
+    let kparts = kparts_of_rows(c, (w.rows + w2.rows).div_ceil(128), w.kpad, t);
     gemm_launch(c, w, None, Some(w2), x, 0, t, None, out, ldo, 0, kparts, false)
 }
 

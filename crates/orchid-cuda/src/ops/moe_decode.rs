@@ -175,16 +175,23 @@ fn up_shape(c: &Ctx, m: &MoeDecode, fmt: WFormat, kpad: usize, rows: Option<usiz
 }
 
 /// Whether `moe_route_up` (one token) or `moe_route_up_rows` (`rows` tokens, at most
-/// `ROUTE_ROWS_MAX`) can take this layer: Q4 experts, bf16 router (and shared gate) with the
-/// experts' K, E a multiple of 16 (≤ 512), top-k ≤ 32, room for the router's K parts among a
-/// token's blocks (`route_kparts`), and every block of the grid resident at once (its per-token
-/// barriers need that).
+/// `ROUTE_ROWS_MAX`, unless `Tuning::route_rows` is off) can take this layer: Q4 experts, bf16
+/// router (and shared gate) with the experts' K, E a multiple of 16 (≤ 512), top-k ≤ 32, room
+/// for the router's K parts among a token's blocks (`route_kparts`), and every block of the grid
+/// resident at once (its per-token barriers need that).
 pub fn can_fuse_route(c: &Ctx, m: &MoeDecode, r: &FusedRoute, rows: usize) -> bool {
     route_launch(c, m, r, rows).is_some()
 }
 
-/// (warps per tile, K parts) of a fused-router launch, if it can take the layer (`can_fuse_route`).
-fn route_launch(c: &Ctx, m: &MoeDecode, r: &FusedRoute, rows: usize) -> Option<(usize, usize)> {
+/// The launch shape of a fused router: warps per tile, K parts, router blocks per token.
+struct RouteShape {
+    ksplit: usize,
+    kparts: usize,
+    router_blocks: usize,
+}
+
+/// The fused router's launch shape, if it can take the layer (`can_fuse_route`).
+fn route_launch(c: &Ctx, m: &MoeDecode, r: &FusedRoute, rows: usize) -> Option<RouteShape> {
     let fmt = m.fmt().ok()?;
     let (Some(g), Some(_)) = (m.gate, m.up) else { return None };
     let sg_ok = r.shared_gate.is_none_or(|s| s.fmt == WFormat::Bf16 && s.kpad == g.kpad && s.cols == g.cols);
@@ -194,6 +201,7 @@ fn route_launch(c: &Ctx, m: &MoeDecode, r: &FusedRoute, rows: usize) -> Option<(
         || !sg_ok
         || r.shared_gate.is_some() != m.has_shared()
         || !(1..=ROUTE_ROWS_MAX).contains(&rows)
+        || (rows > 1 && !c.tuning.route_rows)
     {
         return None;
     }
@@ -202,8 +210,13 @@ fn route_launch(c: &Ctx, m: &MoeDecode, r: &FusedRoute, rows: usize) -> Option<(
     }
     let (ks, smem) = up_shape(c, m, fmt, g.kpad, (rows > 1).then_some(rows), true);
     let blocks = m.hstride().div_ceil(16).div_ceil(8 / ks) * m.nsrc();
-    let kp = route_kparts(r.e / 16 + m.has_shared() as usize, blocks, rows)?;
-    (blocks * rows <= gemv_resident(c, smem + ROUTE_SMEM)).then_some((ks, kp))
+    let router_tiles = r.e / 16 + m.has_shared() as usize;
+    let kparts = route_kparts(router_tiles, blocks, rows)?;
+    (blocks * rows <= gemv_resident(c, smem + ROUTE_SMEM)).then_some(RouteShape {
+        ksplit: ks,
+        kparts,
+        router_blocks: router_tiles * kparts,
+    })
 }
 
 /// h[src] = silu(gate_src · xn) ⊙ (up_src · xn), xn = rms_norm(x) (one token).
@@ -273,10 +286,10 @@ fn moe_up_impl(
         (WFormat::Bf16, Some(_)) => "moe_up_rows_bf16",
     };
     if let Some(r) = route {
-        let Some((rks, kp)) = route_launch(c, m, r, rows.unwrap_or(1)) else {
+        let Some(shape) = route_launch(c, m, r, rows.unwrap_or(1)) else {
             return Err(Error::Op { op: "moe_route_up", msg: "layer shape not supported by the fused router".into() });
         };
-        ks = rks;
+        ks = shape.ksplit;
         a.router_w = r.router.w_ptr();
         a.sgate_w = r.shared_gate.map_or(0, |s| s.w_ptr());
         a.partial = r.partial;
@@ -284,8 +297,8 @@ fn moe_up_impl(
         a.route_w = r.wts;
         a.e = r.e as i32;
         a.renorm = r.renorm as i32;
-        a.kparts = kp as i32;
-        a.router_blocks = ((r.e / 16 + a.has_shared as usize) * kp) as i32;
+        a.kparts = shape.kparts as i32;
+        a.router_blocks = shape.router_blocks as i32;
         name = if rows.is_some() { "moe_route_up_rows_q4" } else { "moe_route_up_q4" };
     }
     a.ksplit = ks as i32;
@@ -322,7 +335,7 @@ fn moe_down_impl(c: &Ctx, m: &MoeDecode, h: u64, route_w: u64, ids: u64, out: u6
         a.is = d.cols as i32;
         a.has_shared = 1;
     }
-    let nsrc = m.topk + a.has_shared as usize;
+    let nsrc = m.nsrc();
     let kmax = (a.kpad_r.max(a.kpad_s)) as usize;
     let smem = ring_bytes(fmt) + nsrc * x_stage_bytes(fmt, kmax) + nsrc * (kmax / 64) * 4 + 8 * 32 * 4 * 4;
     let tiles = hdim.div_ceil(16);
