@@ -159,6 +159,10 @@ impl Backend for CudaBackend {
         format!("cuda: {} (sm_{}{}, {} SMs, {:.0} GiB)", g.name, g.cc.0, g.cc.1, g.sms, g.total_mem as f64 / 1073741824.0)
     }
 
+    fn default_batched_tokens(&self) -> usize {
+        orchid_model::backend::default_batched_tokens(Some(self.gpu().total_mem))
+    }
+
     fn upload_linear(&self, w: &LinearWeight) -> Result<GpuLinear> {
         self.gpu().bind()?;
         weights::upload_linear(self.gpu(), w)

@@ -96,8 +96,9 @@ pub struct EngineOptions {
     /// Prompt tokens one step runs over all requests still in their prompt (vLLM's
     /// `max_num_batched_tokens`, less the decode tokens): each step runs one token of every
     /// decoding sequence plus the next span of each prompt, in arrival order, while they fit.
-    /// Raised to `prefill_chunk` when smaller.
-    pub max_batched_tokens: usize,
+    /// Raised to `prefill_chunk` when smaller. `None`: the backend's
+    /// [`Backend::default_batched_tokens`].
+    pub max_batched_tokens: Option<usize>,
     /// Requests allowed to wait for a slot.
     pub max_queue: usize,
     /// Decode a lone sequence through the backend's fast decoder when it has one (CUDA: the
@@ -125,7 +126,7 @@ impl Default for EngineOptions {
             max_seqs: 16,
             max_context: 32768,
             prefill_chunk: 512,
-            max_batched_tokens: 2048,
+            max_batched_tokens: None,
             max_queue: 64,
             fast_decode: true,
             prefix_cache: true,
@@ -158,6 +159,8 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     pub weight_bytes: usize,
     pub num_layers: usize,
+    /// Prompt tokens one step runs (`EngineOptions::max_batched_tokens` as the engine uses it).
+    pub max_batched_tokens: usize,
 }
 
 /// Why the engine has no model: loading failed or panicked.
@@ -358,7 +361,7 @@ where
 {
     // The options as the engine uses them, which the handle reports.
     let prefill_chunk = opts.prefill_chunk.max(1);
-    let opts = EngineOptions { prefill_chunk, max_batched_tokens: opts.max_batched_tokens.max(prefill_chunk), ..opts };
+    let opts = EngineOptions { prefill_chunk, max_batched_tokens: opts.max_batched_tokens.map(|n| n.max(prefill_chunk)), ..opts };
     let (tx, rx) = channel();
     let info = Arc::new(OnceLock::new());
     let failed = Arc::new(OnceLock::new());
@@ -395,6 +398,8 @@ where
                 None => None,
             };
             let max_context = opts2.max_context.min(model.config.max_position_embeddings);
+            let max_batched_tokens =
+                opts2.max_batched_tokens.unwrap_or_else(|| model.backend.default_batched_tokens()).max(opts2.prefill_chunk);
             // The fast decoder's workspace first, so that the state is sized from what is left.
             let mut fast = fast;
             let workspace = match fast.as_mut().map(|f| f.reserve(&model, opts2.max_seqs)) {
@@ -453,6 +458,7 @@ where
                 vocab_size: tokenizer.vocab_size().min(model.config.vocab_size),
                 weight_bytes: model.weight_bytes,
                 num_layers: model.config.num_layers(),
+                max_batched_tokens,
             }));
             let mut e = Engine {
                 model,
@@ -463,6 +469,7 @@ where
                 tokenizer,
                 opts: opts2,
                 max_context,
+                max_batched_tokens,
                 stats: stats2,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
@@ -609,6 +616,8 @@ struct Engine<B: Backend> {
     tokenizer: Arc<Tokenizer>,
     opts: EngineOptions,
     max_context: usize,
+    /// Prompt tokens one step runs (the option, or the backend's default).
+    max_batched_tokens: usize,
     stats: Arc<EngineStats>,
     waiting: VecDeque<(Box<GenerateRequest>, UnboundedSender<Event>)>,
     running: Vec<Seq<Snapshot<B>>>,
@@ -887,7 +896,7 @@ impl<B: Backend> Engine<B> {
         // The prompts' next spans, in arrival order, while they fit in the step's budget (the
         // first always runs). A span that does not fit waits for the next step whole: cutting
         // it to the budget would make a prompt's chunk boundaries depend on what else runs.
-        let full = self.opts.max_batched_tokens;
+        let full = self.max_batched_tokens;
         let mut budget = full;
         for (i, s) in self.running.iter().enumerate() {
             if !s.decoding() {

@@ -24,6 +24,10 @@ const MAX_CONTEXT: usize = 128;
 const CHUNK: usize = 8;
 
 fn start(prefill_chunk: usize, max_batched_tokens: usize) -> EngineHandle {
+    start_with(prefill_chunk, Some(max_batched_tokens))
+}
+
+fn start_with(prefill_chunk: usize, max_batched_tokens: Option<usize>) -> EngineHandle {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/orchid-tiny");
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let opts = EngineOptions {
@@ -119,14 +123,25 @@ fn a_lone_long_prompt_takes_one_chunk_per_step() {
 fn the_budget_is_at_least_one_chunk() {
     let e = start(CHUNK, CHUNK / 2);
     assert_eq!(e.options().prefill_chunk, CHUNK);
-    assert_eq!(e.options().max_batched_tokens, CHUNK);
+    assert_eq!(e.options().max_batched_tokens, Some(CHUNK));
     e.wait_ready().unwrap();
     let rx = e.submit(request(0, 3 * CHUNK, 4)).unwrap();
     assert_eq!(collect(rx).len(), 4);
     assert_eq!(e.stats().prefill_steps.load(Ordering::SeqCst), 3);
     e.shutdown(false);
     let e = start(0, 0);
-    assert_eq!((e.options().prefill_chunk, e.options().max_batched_tokens), (1, 1));
+    assert_eq!((e.options().prefill_chunk, e.options().max_batched_tokens), (1, Some(1)));
+    assert_eq!(e.wait_ready().unwrap().max_batched_tokens, 1);
+    e.shutdown(false);
+}
+
+#[test]
+fn no_budget_takes_the_backends() {
+    let e = start_with(CHUNK, None);
+    assert_eq!(e.wait_ready().unwrap().max_batched_tokens, 2048, "the host's default");
+    e.shutdown(false);
+    let e = start_with(4096, None);
+    assert_eq!(e.wait_ready().unwrap().max_batched_tokens, 4096, "raised to the chunk");
     e.shutdown(false);
 }
 

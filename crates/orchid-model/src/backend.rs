@@ -100,6 +100,17 @@ pub struct StateOptions {
 /// The default [`StateOptions::memory_utilization`].
 pub const DEFAULT_MEMORY_UTILIZATION: f64 = 0.9;
 
+/// The prompt tokens one engine step runs when none are asked for, on a device of
+/// `total_memory` bytes (`None`: the host): vLLM's rule for its server, 8192 on a GPU of 70 GiB or
+/// more, where larger prefill steps run at a higher token rate (the H200 serving benchmark:
+/// docs/perf-log.md), else 2048.
+pub fn default_batched_tokens(total_memory: Option<usize>) -> usize {
+    match total_memory {
+        Some(bytes) if bytes >= 70 << 30 => 8192,
+        _ => 2048,
+    }
+}
+
 impl StateOptions {
     /// `max_seqs` sequences of up to `max_context` positions, the default memory share, the KV
     /// pool sized from memory.
@@ -158,6 +169,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// One line for logs: device name and memory.
     fn describe(&self) -> String;
+    /// Prompt tokens one engine step runs unless told otherwise ([`default_batched_tokens`] of
+    /// the device's memory; the host's by default).
+    fn default_batched_tokens(&self) -> usize {
+        default_batched_tokens(None)
+    }
 
     fn upload_linear(&self, w: &LinearWeight) -> Result<Self::Linear>;
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
@@ -236,4 +252,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// The sparse MoE block (docs/model.md §6): softmax router over all experts, top-k,
     /// optional renormalisation, SwiGLU experts, shared expert with a sigmoid gate. [T, H] -> [T, H].
     fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<Self::Tensor>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batched_tokens_by_device_memory() {
+        assert_eq!(default_batched_tokens(None), 2048);
+        assert_eq!(default_batched_tokens(Some(24 << 30)), 2048);
+        assert_eq!(default_batched_tokens(Some(80 << 30)), 8192);
+        assert_eq!(default_batched_tokens(Some(140 << 30)), 8192);
+    }
 }

@@ -185,7 +185,7 @@ async fn serve_until(
 fn announce(st: &AppState, info: &ModelInfo, addr: SocketAddr) {
     let o = st.engine.options();
     tracing::info!(
-        "ready: serving `{}` ({}, {} layers, vocab {}) on {}, {:.1} MiB of weights, context {} tokens, {} concurrent sequences, queue {}; listening on http://{addr}",
+        "ready: serving `{}` ({}, {} layers, vocab {}) on {}, {:.1} MiB of weights, context {} tokens, {} concurrent sequences, queue {}, {} prompt tokens a step; listening on http://{addr}",
         st.config.model_id,
         st.config.model_path,
         info.num_layers,
@@ -195,6 +195,7 @@ fn announce(st: &AppState, info: &ModelInfo, addr: SocketAddr) {
         info.max_context,
         o.max_seqs,
         o.max_queue,
+        info.max_batched_tokens,
     );
 }
 

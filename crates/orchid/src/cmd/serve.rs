@@ -43,9 +43,10 @@ pub struct ServeArgs {
     #[arg(long, env = "ORCHID_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
     /// Prompt tokens an engine step runs over all requests still in their prompt (at least
-    /// --prefill-chunk); the decode tokens come on top.
-    #[arg(long, env = "ORCHID_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
-    max_num_batched_tokens: usize,
+    /// --prefill-chunk); the decode tokens come on top. Default: 8192 on a GPU of 70 GiB or
+    /// more (as vLLM), else 2048.
+    #[arg(long, env = "ORCHID_MAX_NUM_BATCHED_TOKENS")]
+    max_num_batched_tokens: Option<usize>,
     /// The share of the GPU's total memory orchid may use in all, weights included, in (0, 1]
     /// (CUDA only). The GDN state of --max-seqs sequences must fit in what the weights leave of
     /// it; the KV cache gets the rest, up to --max-seqs full-length sequences.
