@@ -20,6 +20,8 @@
 //
 // Grouped mode (MoE): `tiles` lists {expert, first list position, count}; the block's tokens are
 // list positions p = first + i, reading prepared row x_rows[p] (or p) and writing out row p.
+// Expert alt_expert (when > 0) reads the weights alt_w / alt_sb (PAIR: and alt_w2 / alt_sb2) of
+// the experts' shape as its own: the shared expert, listed after the routed ones.
 // PAIR mode: rows [0, 64) of the block come from W (gate) and rows [64, 128) from W2 (up) at the
 // same row indices; the block writes silu(gate) · up for 64 output rows (C tile rows r and 64 + r).
 // Otherwise, with m1 > 0, W2 continues W: output row m ≥ m1 is W2's row m − m1 (the router and the
@@ -277,9 +279,14 @@ DEVI void gemm_body(const GemmArgs& a) {
         count = min(BN, a.T - start);
     }
     const int* x_rows = (const int*)a.x_rows;
-    const int m0 = blockIdx.x * OUTW;               // first output row (within the expert)
-    const int mrem = min(OUTW, a.M - m0);           // output rows of this block that exist
-    const i64 wrow0 = (i64)expert * a.rows_e + m0;  // first weight row
+    // Grouped: expert alt_expert (> 0) is another weight of the same shape, alt_w (PAIR: and
+    // alt_w2), e.g. the shared expert listed after the routed ones.
+    const bool alt = a.tiles && a.alt_expert > 0 && expert == a.alt_expert;
+    const u64 W = alt ? a.alt_w : a.w, W2 = alt ? a.alt_w2 : a.w2;
+    const u64 SB = alt ? a.alt_sb : a.sb, SB2 = alt ? a.alt_sb2 : a.sb2;
+    const int m0 = blockIdx.x * OUTW;                            // first output row (within the expert)
+    const int mrem = min(OUTW, a.M - m0);                        // output rows of this block that exist
+    const i64 wrow0 = (i64)(alt ? 0 : expert) * a.rows_e + m0;  // first weight row
     // K part z of grid.z (split-K): k-steps [kt0, kt0 + nk) = [z · N / Z, (z + 1) · N / Z) of
     // the N = kpad / 128 (parts of ⌊N / Z⌋ or ⌈N / Z⌉ k-steps); one part: all of them.
     const int nkall = a.kpad / BK;
@@ -312,13 +319,13 @@ DEVI void gemm_body(const GemmArgs& a) {
         const bool w2 = PAIR ? r >= BM / 2 : second(wrow0 + rr);
         const i64 row = wrow0 + rr - (!PAIR && w2 ? a.m1 : 0);
         const i64 off = FMT == FMT_Q4 ? q4_offset(row, 0, a.kpad) : row * a.kpad * 2;
-        srcA[i] = (const unsigned char*)(w2 ? a.w2 : a.w) + (a_ok(i) ? off + ch * 16 : 0);
+        srcA[i] = (const unsigned char*)(w2 ? W2 : W) + (a_ok(i) ? off + ch * 16 : 0);
     }
-    const unsigned char* srcS = (const unsigned char*)a.sb;
+    const unsigned char* srcS = (const unsigned char*)SB;
     if (FMT == FMT_Q4 && threadIdx.x < BM) {
         const int q = threadIdx.x;
         const bool w2 = PAIR ? q >= BM / 2 : second(wrow0 + q);
-        srcS = (const unsigned char*)(w2 ? a.sb2 : a.sb);
+        srcS = (const unsigned char*)(w2 ? SB2 : SB);
         if (s_ok()) srcS += q4_sb_offset(wrow0 + (PAIR ? (q & (BM / 2 - 1)) : q - (w2 ? a.m1 : 0)), 0, a.kpad);
     }
     const unsigned char* srcB[BR];

@@ -97,6 +97,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
 // counts (shared atomics: integers, any order), the scans and the tile table (scan_tiles), then
 // warp 0 places the assignments in ascending order, 32 at a time (lanes with the same expert
 // ranked by lane), so each expert's list holds its tokens in ascending (token, slot) order.
+// With a.shared, the shared expert is listed as expert E with all T tokens in order: list
+// positions T·topk + t (after every routed one), its tiles after the routed experts'.
 extern "C" __global__ void __launch_bounds__(1024) moe_lists(const ListsArgs a) {
     pdl_enter();
     __shared__ int s_ids[1024], sc[1024], st[1024], s_cnt[1024];
@@ -106,8 +108,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_lists(const ListsArgs a) 
     __syncthreads();
     if ((int)threadIdx.x < n) atomicAdd(&s_cnt[s_ids[threadIdx.x]], 1);
     __syncthreads();
-    const int c = (int)threadIdx.x < a.E ? s_cnt[threadIdx.x] : 0;
-    const int off = scan_tiles(c, a.E, a.bn, sc, st, (int4*)a.tiles, (int*)a.num_tiles);
+    const int c = (int)threadIdx.x < a.E ? s_cnt[threadIdx.x] : (int)threadIdx.x == a.E && a.shared ? a.T : 0;
+    const int off = scan_tiles(c, a.E + (a.shared ? 1 : 0), a.bn, sc, st, (int4*)a.tiles, (int*)a.num_tiles);
+    if (a.shared && (int)threadIdx.x < a.T) ((int*)a.assign_tok)[n + threadIdx.x] = threadIdx.x;
     __syncthreads();
     s_cnt[threadIdx.x] = off;  // now each expert's next list position
     __syncthreads();

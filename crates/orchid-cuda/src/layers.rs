@@ -9,7 +9,7 @@ use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
-use crate::ops::gemm::{GemmX, Grouped, gemm, gemm_bn, gemm_concat, gemm_pair_x, gemm_x, matmul, matmul_x};
+use crate::ops::gemm::{AltExpert, GemmX, Grouped, gemm, gemm_bn, gemm_concat, gemm_pair_x, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv, use_gemv};
 use crate::ops::moe_decode::{
     FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_route_up_rows, moe_up_rows,
@@ -350,13 +350,25 @@ pub fn moe_into(
     }
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
     let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e));
-    let max_tiles = (t * k).div_ceil(bn) + e;
+    // Batched decode: the lists in one block (fewer launches), the shared expert listed as
+    // expert e of the grouped GEMMs where its weights have an expert's shape (no GEMMs of its
+    // own); prompt chunks: over many blocks, the shared expert as dense GEMMs.
+    let small = t * k <= mo::ROUTE_SMALL_MAX;
+    let alt = match (&w.shared, &w.shared_gate) {
+        (Some(m), Some(_)) if small && c.tuning.shared_grouped => {
+            let ex = &w.experts;
+            AltExpert::of(e, &ex.gate, &m.gate_proj, Some((&ex.up, &m.up_proj))).zip(AltExpert::of(e, &ex.down, &m.down_proj, None))
+        }
+        _ => None,
+    };
+    // List positions: the routed assignments, then the shared expert's tokens.
+    let listed = t * k + if alt.is_some() { t } else { 0 };
+    let max_tiles = listed.div_ceil(bn) + e + 1;
     let tiles = DevBuf::alloc(gpu, max_tiles * 16)?;
     let num_tiles = DevBuf::alloc(gpu, 4)?;
-    let assign_tok = DevBuf::alloc(gpu, t * k * 4)?;
+    let assign_tok = DevBuf::alloc(gpu, listed * 4)?;
     let slot_pos = DevBuf::alloc(gpu, t * k * 4)?;
-    // Batched decode: the lists in one block (fewer launches); prompt chunks: over many blocks.
-    let route = if t * k <= mo::ROUTE_SMALL_MAX { mo::route_small } else { mo::route_chain };
+    let route = if small { mo::route_small } else { mo::route_chain };
     let r = mo::Routing {
         logits: logits.ptr(),
         ldl,
@@ -370,15 +382,17 @@ pub fn moe_into(
         num_tiles: num_tiles.ptr,
         assign_tok: assign_tok.ptr,
         slot_pos: slot_pos.ptr,
+        shared: alt.is_some(),
     };
     route(c, &r)?;
-    let grouped = || Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn };
-    let hp = gemm_pair_x(c, &w.experts.gate, &w.experts.up, &xp, assign_tok.ptr, t * k, Some(grouped()))?;
-    let ybuf = DevBuf::alloc(gpu, t * k * h * 4)?;
-    gemm(c, &w.experts.down, None, &hp, 0, t * k, Some(grouped()), ybuf.ptr, h)?;
-    // Shared expert (all tokens) and its sigmoid gate.
+    let grouped = |alt| Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn, alt };
+    let hp = gemm_pair_x(c, &w.experts.gate, &w.experts.up, &xp, assign_tok.ptr, listed, Some(grouped(alt.map(|a| a.0))))?;
+    let ybuf = DevBuf::alloc(gpu, listed * h * 4)?;
+    gemm(c, &w.experts.down, None, &hp, 0, listed, Some(grouped(alt.map(|a| a.1))), ybuf.ptr, h)?;
+    // Shared expert (all tokens) and its sigmoid gate: rows t·k.. of the experts' outputs, or
+    // GEMMs of its own.
     let mut shared_out = None;
-    if let (Some(m), Some(_)) = (&w.shared, &w.shared_gate) {
+    if let (Some(m), Some(_), None) = (&w.shared, &w.shared_gate, alt) {
         let is = m.gate_proj.rows;
         let sh = b.tensor(t, h)?;
         if t <= 8 {
@@ -399,7 +413,10 @@ pub fn moe_into(
             y: ybuf.ptr,
             wts: wts.ptr,
             slot_pos: slot_pos.ptr,
-            shared: shared_out.as_ref().map_or(0, |s| s.ptr()),
+            shared: match alt {
+                Some(_) => ybuf.ptr + (t * k * h * 4) as u64,
+                None => shared_out.as_ref().map_or(0, |s| s.ptr()),
+            },
             shared_gate: logits.ptr() + (e * 4) as u64,
             out,
             t: t as i32,

@@ -74,6 +74,10 @@ pub struct Tuning {
     /// Batched decode of 2..=8 rows: the router fused into the experts' gate/up kernel
     /// (`ops::moe_decode::moe_route_up_rows`) where the layer allows; false: the router matvec.
     pub route_rows: bool,
+    /// Batched decode on the GEMM path (up to `ops::moe::ROUTE_SMALL_MAX` assignments): the
+    /// shared expert as one more expert of the grouped GEMMs where its weights have an expert's
+    /// shape (`ops::gemm::AltExpert`); false: GEMMs of its own.
+    pub shared_grouped: bool,
 }
 
 impl Default for Tuning {
@@ -91,6 +95,7 @@ impl Default for Tuning {
             gdn_rows_kernel: 16,
             gemm_kparts_max: 8,
             route_rows: true,
+            shared_grouped: true,
         }
     }
 }
@@ -111,6 +116,7 @@ impl Tuning {
             gdn_rows_kernel: self.gdn_rows_kernel.min(4096),
             gemm_kparts_max: self.gemm_kparts_max.clamp(1, crate::ops::gemm::GEMM_KPARTS_MAX),
             route_rows: self.route_rows,
+            shared_grouped: self.shared_grouped,
         }
     }
 }
@@ -136,6 +142,7 @@ mod tests {
             gdn_rows_kernel: 1 << 20,
             gemm_kparts_max: 0,
             route_rows: true,
+            shared_grouped: false,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

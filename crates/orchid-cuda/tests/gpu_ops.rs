@@ -289,6 +289,78 @@ fn gemm_concat_equals_two_gemms() {
     }
 }
 
+/// A grouped GEMM's separate expert (`AltExpert`: the shared expert listed after the routed
+/// ones) gives the bits of a one-pass dense GEMM of its weights over the same tokens, for a
+/// gate/up pair and a single weight, next to a tile of a stacked expert (which gives the bits of
+/// that expert's dense GEMM).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_gemm_reads_a_separate_expert() {
+    use orchid_cuda::driver::DevBuf;
+    let g = gpu();
+    let mut rng = Rng::new(31);
+    let (e, h, i, t, routed, bn) = (4usize, 1024usize, 256usize, 40usize, 5usize, 32usize);
+    let mlp = |rng: &mut Rng| HostMlp {
+        gate_proj: linear(rng, i, h, Fmt::Mlx, 4),
+        up_proj: linear(rng, i, h, Fmt::Mlx, 4),
+        down_proj: linear(rng, h, i, Fmt::Mlx, 4),
+    };
+    let experts: Vec<HostMlp> = (0..e).map(|_| mlp(&mut rng)).collect();
+    let shared = mlp(&mut rng);
+    let ex = g.upload_experts(&experts).unwrap();
+    let lin = |w| g.upload_linear(w).unwrap();
+    let (sg, su, sd) = (lin(&shared.gate_proj), lin(&shared.up_proj), lin(&shared.down_proj));
+    let (eg, eu, ed) = (lin(&experts[1].gate_proj), lin(&experts[1].up_proj), lin(&experts[1].down_proj));
+    // List positions: expert 1 takes tokens 0..routed, the separate expert (index e) all t tokens.
+    let listed = routed + t;
+    let words = |v: &[u32]| {
+        let b = DevBuf::alloc(&g.ctx.gpu, v.len() * 4).unwrap();
+        b.upload(0, &v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        b
+    };
+    let x_rows: Vec<u32> = (0..routed as u32).chain(0..t as u32).collect();
+    let mut table = vec![1, 0, routed as u32, 0];
+    for j in 0..t.div_ceil(bn) {
+        table.extend([e, routed + j * bn, bn.min(t - j * bn), 0].map(|v| v as u32));
+    }
+    let (rows, tiles, num) = (words(&x_rows), words(&table), words(&[(table.len() / 4) as u32]));
+    let grouped = |alt| gemm::Grouped { tiles: tiles.ptr, num_tiles: num.ptr, max_tiles: table.len() / 4, bn, alt };
+    let tail = |v: &[f32], n: usize| v[routed * n..].to_vec();
+    let head = |v: &[f32], n: usize| v[..routed * n].to_vec();
+    // Gate/up pair: silu(gate) ⊙ up rows.
+    let x = rng.vec(t * h, 1.0);
+    let gx = up(&g, t, h, &x);
+    let xp = gemm::gemm_x(&g.ctx, gx.ptr(), h, t, h).unwrap();
+    let alt = gemm::AltExpert::of(e, &ex.gate, &sg, Some((&ex.up, &su)));
+    assert!(alt.is_some(), "the shared expert has an expert's shape");
+    let got = g.tensor(listed, i).unwrap();
+    gemm::gemm(&g.ctx, &ex.gate, Some(&ex.up), &xp, rows.ptr, listed, Some(grouped(alt)), got.ptr(), i).unwrap();
+    let got = host(&g, &got);
+    let (want, want1) = (g.tensor(t, i).unwrap(), g.tensor(t, i).unwrap());
+    gemm::gemm_split(&g.ctx, &sg, Some(&su), &xp, t, want.ptr(), i, 1, false).unwrap();
+    gemm::gemm_split(&g.ctx, &eg, Some(&eu), &xp, t, want1.ptr(), i, 1, false).unwrap();
+    report_same("grouped pair: the separate expert = its dense GEMM", &tail(&got, i), &host(&g, &want));
+    report_same("grouped pair: a stacked expert = its dense GEMM", &head(&got, i), &head(&host(&g, &want1), i));
+    // A single weight (the down projection) over prepared rows read in list order.
+    let y = rng.vec(listed * i, 1.0);
+    let gy = up(&g, listed, i, &y);
+    let yp = gemm::gemm_x(&g.ctx, gy.ptr(), i, listed, i).unwrap();
+    let alt = gemm::AltExpert::of(e, &ex.down, &sd, None);
+    let got = g.tensor(listed, h).unwrap();
+    gemm::gemm(&g.ctx, &ex.down, None, &yp, 0, listed, Some(grouped(alt)), got.ptr(), h).unwrap();
+    let got = host(&g, &got);
+    let (yh, yt) =
+        (gemm::gemm_x(&g.ctx, gy.ptr(), i, routed, i).unwrap(), gemm::gemm_x(&g.ctx, gy.ptr() + (routed * i * 4) as u64, i, t, i).unwrap());
+    let (want, want1) = (g.tensor(t, h).unwrap(), g.tensor(routed, h).unwrap());
+    gemm::gemm_split(&g.ctx, &sd, None, &yt, t, want.ptr(), h, 1, false).unwrap();
+    gemm::gemm_split(&g.ctx, &ed, None, &yh, routed, want1.ptr(), h, 1, false).unwrap();
+    report_same("grouped single: the separate expert = its dense GEMM", &tail(&got, h), &host(&g, &want));
+    report_same("grouped single: a stacked expert = its dense GEMM", &head(&got, h), &host(&g, &want1));
+    // Shapes that differ are refused.
+    assert!(gemm::AltExpert::of(e, &ex.down, &sg, None).is_none());
+    assert!(gemm::AltExpert::of(0, &ex.down, &sd, None).is_none());
+}
+
 /// The gate/up pair written prepared for the down projection (`gemm_pair_x`: in the one-pass
 /// GEMM's epilogue, in the split-K reduction, or for other shapes, here N = 1000, through
 /// `gemm_x`) gives the bytes of the pair's f32 rows prepared by `gemm_x`.
@@ -867,7 +939,8 @@ fn deltanet_decode_rows_vs_cpu() {
 
 /// The two-launch routing of batched decode (`route_small`: top-k, then the lists in one block)
 /// gives the bits of the prefill chain (top-k with counts, scan, scatter): routing weights, tile
-/// table and lists, with ties in the logits and up to the full 1024 assignments.
+/// table and lists, with ties in the logits and up to the full 1024 assignments. With the shared
+/// expert listed, the same plus its tiles (expert E, every token) and list entries at the end.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn moe_route_small_equals_chain() {
@@ -888,10 +961,11 @@ fn moe_route_small_equals_chain() {
             let logits: Vec<f32> = rng.vec(t * e, 2.0).iter().map(|v| (v * 8.0).round() / 8.0).collect();
             let gl = up(&g, t, e, &logits);
             let bn = 32;
-            let max_tiles = (t * k).div_ceil(bn) + e;
+            let max_tiles = (t * k + t).div_ceil(bn) + e + 1;
             let alloc = |words: usize| orchid_cuda::driver::DevBuf::zeros(&g.ctx.gpu, words * 4).unwrap();
-            let run = |small: bool| {
-                let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(t * k), alloc(t * k));
+            let run = |small: bool, shared: bool| {
+                let listed = t * k + if shared { t } else { 0 };
+                let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(listed), alloc(t * k));
                 let route = if small { mo::route_small } else { mo::route_chain };
                 let r = mo::Routing {
                     logits: gl.ptr(),
@@ -906,14 +980,25 @@ fn moe_route_small_equals_chain() {
                     num_tiles: num.ptr,
                     assign_tok: at.ptr,
                     slot_pos: sp.ptr,
+                    shared,
                 };
                 route(&g.ctx, &r).unwrap();
                 let n = words(&num, 1)[0] as usize;
-                (words(&wts, t * k), words(&tiles, 4 * n.min(max_tiles)), n, words(&at, t * k), words(&sp, t * k))
+                (words(&wts, t * k), words(&tiles, 4 * n.min(max_tiles)), n, words(&at, listed), words(&sp, t * k))
             };
-            let (a, b) = (run(true), run(false));
+            let (a, b) = (run(true, false), run(false, false));
             let same = a == b && a.2 > 0;
             report(&format!("route_small = route_chain E={e} k={k} T={t}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
+            let s = run(true, true);
+            let mut tiles = a.1.clone();
+            let nt = t.div_ceil(bn);
+            for i in 0..nt {
+                tiles.extend([e, t * k + i * bn, bn.min(t - i * bn), 0].map(|v| v as u32));
+            }
+            let mut at = a.3.clone();
+            at.extend(0..t as u32);
+            let same = (s.0 == a.0, s.2 == a.2 + nt, s.4 == a.4) == (true, true, true) && s.1 == tiles && s.3 == at;
+            report(&format!("route_small with the shared expert E={e} k={k} T={t}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
         }
     }
 }
@@ -923,6 +1008,8 @@ fn moe_route_small_equals_chain() {
 #[allow(clippy::type_complexity)]
 fn moe_routing_and_experts() {
     let g = gpu();
+    // The shared expert through GEMMs of its own instead of listed in the grouped ones.
+    let own = g.with_tuning(&orchid_cuda::Tuning { shared_grouped: false, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(6);
     // (E, k, H, I, Is, T list)
@@ -972,6 +1059,10 @@ fn moe_routing_and_experts() {
             let co = c.moe(&CpuTensor::from_vec(t, h, round_bf16(&x)), &cw, &cfg.moe).unwrap();
             let go = host(&g, &g.moe(&up(&g, t, h, &x), &gw, &cfg.moe).unwrap());
             report(&format!("moe E={e} k={k} H={h} I={i} Is={is} T={t}"), rel_l2(&go, &co.data), 1e-2);
+            // Only the shared expert's sums differ (one pass against split-K parts), and the
+            // bf16 rounding of its activations where that moves them across a rounding step.
+            let oo = host(&own, &own.moe(&up(&own, t, h, &x), &gw, &cfg.moe).unwrap());
+            report(&format!("moe shared expert grouped vs own GEMMs E={e} k={k} Is={is} T={t}"), rel_l2(&go, &oo), 1e-4);
         }
     }
 }

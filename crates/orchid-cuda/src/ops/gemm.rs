@@ -40,6 +40,14 @@ crate::kernel_abi! {
         acc: i32,
         /// Not PAIR: rows of `w`, whose rows `w2` continues (0: `w` alone; `gemm_concat`).
         m1: i32,
+        /// Grouped: the expert (> 0; 0: none) whose weights are `alt_w` (PAIR: and `alt_w2`)
+        /// instead of its place in `w` (`AltExpert`).
+        alt_expert: i32,
+        pad0: i32,
+        alt_w: u64,
+        alt_sb: u64,
+        alt_w2: u64,
+        alt_sb2: u64,
     }
     #[derive(Clone, Copy, Default)]
     struct SplitkArgs {
@@ -151,12 +159,45 @@ pub fn gemm_smem(fmt: WFormat, bn: usize) -> usize {
     (gemm_stages(fmt, bn) * stage).max(bn * (128 + 4) * 4)
 }
 
-/// Grouped tiles: (tile table, device count, upper bound of tiles, the table's tile width).
+/// Grouped tiles: (tile table, device count, upper bound of tiles, the table's tile width), and
+/// an expert whose weights live apart.
 pub struct Grouped {
     pub tiles: u64,
     pub num_tiles: u64,
     pub max_tiles: usize,
     pub bn: usize,
+    pub alt: Option<AltExpert>,
+}
+
+/// An expert of a grouped GEMM whose weights are not in the stacked experts' tensor (the shared
+/// expert listed as expert E after the E routed ones): its index and its weight (and up weight).
+#[derive(Clone, Copy, Debug)]
+pub struct AltExpert {
+    pub expert: usize,
+    w: u64,
+    sb: u64,
+    w2: u64,
+    sb2: u64,
+}
+
+impl AltExpert {
+    /// Expert `expert` of the stacked `experts` (and `experts2`, the up weights of a pair) read
+    /// from `w` (and `w2`) instead, when each has the shape and format of one stacked expert.
+    pub fn of(expert: usize, experts: &GpuLinear, w: &GpuLinear, pair: Option<(&GpuLinear, &GpuLinear)>) -> Option<AltExpert> {
+        let fits = |s: &GpuLinear, one: &GpuLinear| {
+            one.count == 1
+                && one.fmt == s.fmt
+                && one.rows == s.rows
+                && one.rows_pad == s.rows_pad
+                && one.cols == s.cols
+                && one.kpad == s.kpad
+        };
+        if expert == 0 || !fits(experts, w) || pair.is_some_and(|(s2, w2)| !fits(s2, w2)) {
+            return None;
+        }
+        let (w2, sb2) = pair.map_or((0, 0), |(_, u)| (u.w_ptr(), u.sb_ptr()));
+        Some(AltExpert { expert, w: w.w_ptr(), sb: w.sb_ptr(), w2, sb2 })
+    }
 }
 
 /// Activations prepared once for the GEMMs (`gemm_xprep`): `rows` rows of x rounded to bf16
@@ -318,6 +359,10 @@ fn gemm_launch(
         return Err(Error::Op { op: "gemm pair", msg: "gate and up differ in format or shape".into() });
     }
     let pair = w2.is_some();
+    let alt = grouped.as_ref().and_then(|g| g.alt);
+    if alt.is_some_and(|x| pair != (x.w2 != 0)) {
+        return Err(Error::Op { op: "gemm", msg: "the separate expert's weights do not match the pair".into() });
+    }
     if concat.is_some() && (pair || grouped.is_some() || xs_out != 0) {
         return Err(Error::Op { op: "gemm concat", msg: "two weights in a row are dense and one pass of plain outputs".into() });
     }
@@ -365,6 +410,12 @@ fn gemm_launch(
         t: t as i32,
         acc: (accumulate && kparts == 1) as i32,
         m1: concat.map_or(0, |_| w.rows as i32),
+        alt_expert: alt.map_or(0, |x| x.expert as i32),
+        pad0: 0,
+        alt_w: alt.map_or(0, |x| x.w),
+        alt_sb: alt.map_or(0, |x| x.sb),
+        alt_w2: alt.map_or(0, |x| x.w2),
+        alt_sb2: alt.map_or(0, |x| x.sb2),
     };
     let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
@@ -425,7 +476,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 120);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 160);
     }
 
     #[test]

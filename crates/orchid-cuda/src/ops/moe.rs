@@ -58,6 +58,9 @@ crate::kernel_abi! {
         e: i32 => "E",
         topk: i32,
         bn: i32,
+        /// 1: the shared expert is listed as expert E (`Routing::shared`).
+        shared: i32,
+        pad0: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct CombineArgs {
@@ -99,7 +102,10 @@ pub fn scatter(c: &Ctx, a: &ScatterArgs, e: usize) -> Result<()> {
 /// One MoE layer's routing: `t` tokens' logits over `e` experts [t, e] (row stride `ldl` ≥ e) in; out, each token's
 /// top-`k` weights [t, k] (renormalised where `renorm`), the grouped GEMMs' tile table (tiles of
 /// `bn` tokens) and its count, and the expert-ordered lists (`assign_tok`: the token of each
-/// list position; `slot_pos`: the list position of each (token, slot)).
+/// list position; `slot_pos`: the list position of each (token, slot)). With `shared`
+/// (`route_small` only), the shared expert is listed too, as expert `e` with every token: list
+/// positions t·k + i (token i), its tiles after the routed experts' (room for t + bn more
+/// positions' worth of tiles and t more list entries).
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
     pub logits: u64,
@@ -114,6 +120,7 @@ pub struct Routing {
     pub num_tiles: u64,
     pub assign_tok: u64,
     pub slot_pos: u64,
+    pub shared: bool,
 }
 
 impl Routing {
@@ -138,6 +145,12 @@ impl Routing {
 /// The routing of any number of tokens (prompt chunks) in four launches: top-k with the experts'
 /// counts, their scan into offsets and the tile table, the stable scatter into the lists.
 pub fn route_chain(c: &Ctx, r: &Routing) -> Result<()> {
+    if r.shared {
+        return Err(orchid_model::error::Error::Op {
+            op: "moe route_chain",
+            msg: "the shared expert is listed by route_small only".into(),
+        });
+    }
     let ids = DevBuf::alloc(&c.gpu, r.t * r.k * 4)?;
     let counts = DevBuf::alloc(&c.gpu, r.e * 4)?;
     zero_words(c, counts.ptr, r.e)?;
@@ -156,7 +169,7 @@ pub const ROUTE_SMALL_MAX: usize = 1024;
 /// `route_chain` of at most `ROUTE_SMALL_MAX` assignments (batched decode) in two launches, bit
 /// for bit: the top-k (without counts), then the counts, scans, tile table and lists in one block.
 pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
-    if r.t * r.k > ROUTE_SMALL_MAX || r.e > 1024 {
+    if r.t * r.k > ROUTE_SMALL_MAX || r.e + r.shared as usize > 1024 {
         return Err(orchid_model::error::Error::Op {
             op: "moe route_small",
             msg: format!("{} tokens x top-{} over {} experts (at most {ROUTE_SMALL_MAX} assignments)", r.t, r.k, r.e),
@@ -174,6 +187,8 @@ pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
         e: r.e as i32,
         topk: r.k as i32,
         bn: r.bn as i32,
+        shared: r.shared as i32,
+        pad0: 0,
     };
     c.k("moe_lists").launch(&c.gpu, (1, 1, 1), 1024, 0, &a)
 }
@@ -190,6 +205,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::ScanArgs>(), 56);
         assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 48);
         assert_eq!(std::mem::size_of::<super::CombineArgs>(), 72);
-        assert_eq!(std::mem::size_of::<super::ListsArgs>(), 56);
+        assert_eq!(std::mem::size_of::<super::ListsArgs>(), 64);
     }
 }

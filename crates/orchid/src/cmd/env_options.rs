@@ -11,7 +11,8 @@
 //!   MOE_UP_KSPLIT, MOE_DOWN_KSPLIT, ROUTER_KPARTS, ATTN_SPLITS, ATTN_MIN_TILES,
 //!   ATTN_PREFILL_SPLITS (1: no split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS,
 //!   GEMM_KPARTS_MAX (1: no split-K GEMMs), ROUTE_ROWS (0: batched decode without the router
-//!   fused into the experts' kernel)).
+//!   fused into the experts' kernel), SHARED_GROUPED (0: the shared expert's own GEMMs in
+//!   batched decode)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -64,6 +65,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 gdn_rows_kernel: tune("GDN_ROWS", t.gdn_rows_kernel),
                 gemm_kparts_max: tune("GEMM_KPARTS_MAX", t.gemm_kparts_max),
                 route_rows: tune("ROUTE_ROWS", t.route_rows as usize) != 0,
+                shared_grouped: tune("SHARED_GROUPED", t.shared_grouped as usize) != 0,
             },
         }
     })
