@@ -26,10 +26,6 @@ fn gpu() -> CudaBackend {
     gpu_with(orchid_cuda::CudaOptions { sync_check: true, ..options() })
 }
 
-fn mlp(rng: &mut Rng, i: usize, h: usize, fmt: Fmt, bits: u32) -> HostMlp {
-    HostMlp { gate_proj: linear(rng, i, h, fmt, bits), up_proj: linear(rng, i, h, fmt, bits), down_proj: linear(rng, h, i, fmt, bits) }
-}
-
 fn download(b: &DevBuf, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
     b.download(0, bytemuck::cast_slice_mut(&mut v)).unwrap();

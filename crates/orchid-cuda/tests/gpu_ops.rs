@@ -300,24 +300,15 @@ fn grouped_gemm_reads_a_separate_expert() {
     let g = gpu();
     let mut rng = Rng::new(31);
     let (e, h, i, t, routed, bn) = (4usize, 1024usize, 256usize, 40usize, 5usize, 32usize);
-    let mlp = |rng: &mut Rng| HostMlp {
-        gate_proj: linear(rng, i, h, Fmt::Mlx, 4),
-        up_proj: linear(rng, i, h, Fmt::Mlx, 4),
-        down_proj: linear(rng, h, i, Fmt::Mlx, 4),
-    };
-    let experts: Vec<HostMlp> = (0..e).map(|_| mlp(&mut rng)).collect();
-    let shared = mlp(&mut rng);
+    let experts: Vec<HostMlp> = (0..e).map(|_| mlp(&mut rng, i, h, Fmt::Mlx, 4)).collect();
+    let shared = mlp(&mut rng, i, h, Fmt::Mlx, 4);
     let ex = g.upload_experts(&experts).unwrap();
     let lin = |w| g.upload_linear(w).unwrap();
     let (sg, su, sd) = (lin(&shared.gate_proj), lin(&shared.up_proj), lin(&shared.down_proj));
     let (eg, eu, ed) = (lin(&experts[1].gate_proj), lin(&experts[1].up_proj), lin(&experts[1].down_proj));
     // List positions: expert 1 takes tokens 0..routed, the separate expert (index e) all t tokens.
     let listed = routed + t;
-    let words = |v: &[u32]| {
-        let b = DevBuf::alloc(&g.ctx.gpu, v.len() * 4).unwrap();
-        b.upload(0, &v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
-        b
-    };
+    let words = |v: &[u32]| DevBuf::from_slice(&g.ctx.gpu, v).unwrap();
     let x_rows: Vec<u32> = (0..routed as u32).chain(0..t as u32).collect();
     let mut table = vec![1, 0, routed as u32, 0];
     for j in 0..t.div_ceil(bn) {
@@ -1021,18 +1012,8 @@ fn moe_routing_and_experts() {
     for &(e, k, h, i, is, ts) in &cases {
         let cfg = config(64, h, 1, (2, 1, 64), (1, 1, 32, 32), (e, k, i, is), 1);
         let router = linear(&mut rng, e, h, Fmt::Hf, 8);
-        let experts: Vec<HostMlp> = (0..e)
-            .map(|_| HostMlp {
-                gate_proj: linear(&mut rng, i, h, Fmt::Mlx, 4),
-                up_proj: linear(&mut rng, i, h, Fmt::Mlx, 4),
-                down_proj: linear(&mut rng, h, i, Fmt::Mlx, 4),
-            })
-            .collect();
-        let shared = (is > 0).then(|| HostMlp {
-            gate_proj: linear(&mut rng, is, h, Fmt::Mlx, 4),
-            up_proj: linear(&mut rng, is, h, Fmt::Mlx, 4),
-            down_proj: linear(&mut rng, h, is, Fmt::Mlx, 4),
-        });
+        let experts: Vec<HostMlp> = (0..e).map(|_| mlp(&mut rng, i, h, Fmt::Mlx, 4)).collect();
+        let shared = (is > 0).then(|| mlp(&mut rng, is, h, Fmt::Mlx, 4));
         let sgate = (is > 0).then(|| linear(&mut rng, 1, h, Fmt::Hf, 8));
         let cw = MoeWeights::<CpuBackend> {
             router: c.upload_linear(&router).unwrap(),

@@ -128,10 +128,6 @@ fn norm_w(rng: &mut Rng, n: usize) -> Vec<f32> {
     rng.vec(n, 0.1).iter().map(|x| 1.0 + x).collect()
 }
 
-fn mlp(rng: &mut Rng, h: usize, i: usize, fmt: Fmt) -> HostMlp {
-    HostMlp { gate_proj: linear(rng, i, h, fmt, 4), up_proj: linear(rng, i, h, fmt, 4), down_proj: linear(rng, h, i, fmt, 4) }
-}
-
 /// Random weights for `cfg` in `fmt`.
 pub fn random_weights(cfg: &ModelConfig, fmt: Fmt, seed: u64) -> HostWeights {
     let mut rng = Rng::new(seed);
@@ -169,12 +165,12 @@ pub fn random_weights(cfg: &ModelConfig, fmt: Fmt, seed: u64) -> HostWeights {
                 }),
             };
             let ffn = if cfg.dense_mlp_layers[li] {
-                HostFfn::Dense(mlp(&mut rng, h, cfg.dense_intermediate, fmt))
+                HostFfn::Dense(mlp(&mut rng, cfg.dense_intermediate, h, fmt, 4))
             } else {
                 HostFfn::Moe(HostMoe {
                     router: linear(&mut rng, m.num_experts, h, fmt, 8),
-                    experts: (0..m.num_experts).map(|_| mlp(&mut rng, h, m.intermediate, fmt)).collect(),
-                    shared: (m.shared_intermediate > 0).then(|| mlp(&mut rng, h, m.shared_intermediate, fmt)),
+                    experts: (0..m.num_experts).map(|_| mlp(&mut rng, m.intermediate, h, fmt, 4)).collect(),
+                    shared: (m.shared_intermediate > 0).then(|| mlp(&mut rng, m.shared_intermediate, h, fmt, 4)),
                     shared_gate: (m.shared_intermediate > 0).then(|| linear(&mut rng, 1, h, fmt, 8)),
                 })
             };
@@ -182,6 +178,11 @@ pub fn random_weights(cfg: &ModelConfig, fmt: Fmt, seed: u64) -> HostWeights {
         })
         .collect();
     HostWeights { embed, lm_head, tied: false, final_norm: norm_w(&mut rng, h), layers }
+}
+
+/// A random SwiGLU MLP H → I → H (gate, up, down drawn in that order).
+pub fn mlp(rng: &mut Rng, i: usize, h: usize, fmt: Fmt, bits: u32) -> HostMlp {
+    HostMlp { gate_proj: linear(rng, i, h, fmt, bits), up_proj: linear(rng, i, h, fmt, bits), down_proj: linear(rng, h, i, fmt, bits) }
 }
 
 /// A Qwen3.5-MoE config.json for the given dims.
