@@ -119,6 +119,30 @@ DEVI void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
 DEVI void ldsm_x2(u32& r0, u32& r1, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
 }
+// The same loads at a 32-bit shared address (smem_u32): with the address written as one base plus
+// constants, the constants become the instructions' immediate offsets (no address arithmetic per
+// load).
+DEVI void ldsm_x4_at(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
+}
+DEVI void ldsm_x2_at(u32& r0, u32& r1, u32 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(a));
+}
+DEVI u32 lds32_at(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(a));
+    return v;
+}
+DEVI uint2 lds64_at(u32 a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+DEVI uint4 lds128_at(u32 a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
 DEVI void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));

@@ -161,40 +161,48 @@ DEVI u32 word4(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i =
 // tk + 1) are read once per k-step into A {w0..w3}, SB {group 0, 1}, X {tk g0, tk g1, tk+1 g0,
 // tk+1 g1} (16-byte reads, no bank conflicts); else (more tiles per warp: registers) group j's at
 // the start of group j into A {w2j, w2j+1}, SB {j}, X {tk gj, -, tk+1 gj}.
+// The stage comes as shared addresses (As: weight words then scale/bias words, Bh: token rows,
+// Xs: group sums); every load is one per-thread base plus a constant (the instruction's offset).
 template <int MT, int NT, int NL, bool ONCE>
-DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_bfloat16* Bh, const float* Xs, int row0,
-                   int nbase, int lane) {
+DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, int nbase, int lane) {
     static_assert(NL >= 1 && NL <= NT && (NL == 1 || NL % 2 == 0), "n8 tiles: 1 or pairs");
     const int g = lane >> 2, t4 = lane & 3;
+    // Bases: A words of row row0 + g (m16 tile mt: + 1024 mt, row + 8: + 512, group j: + 8 j);
+    // its scale/bias words (+ 128 mt, + 64, + 4 j); group sums of token nbase + 2 t4 (n8 tile n:
+    // + 64 n, token + 1: + 8, group j: + 4 j); B rows as ldmatrix addresses them (k16 slice at k0:
+    // + 2 k0; NL > 1, n8 tile pair np: + 32 BS_STRIDE np).
+    const u32 a_at = As + (row0 + g) * 64 + t4 * 16;
+    const u32 s_at = As + BM * 64 + (row0 + g) * 8;
+    const u32 x_at = Xs + (nbase + 2 * t4) * 8;
+    const u32 b_at = Bh + ((nbase + (NL == 1 ? 0 : (lane >> 4) * 8) + (lane & 7)) * BS_STRIDE + ((lane >> 3) & 1) * 8) * 2;
     uint4 A0[MT], A1[MT];
     uint2 SB0[MT], SB1[MT];
     float4 X[NL];
     auto fetch = [&](int j) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const int r = row0 + mt * 16 + g;
             if constexpr (ONCE) {
-                A0[mt] = *(const uint4*)(As + r * 64 + t4 * 16);
-                A1[mt] = *(const uint4*)(As + (r + 8) * 64 + t4 * 16);
-                SB0[mt] = *(const uint2*)(As + BM * 64 + r * 8);
-                SB1[mt] = *(const uint2*)(As + BM * 64 + (r + 8) * 8);
+                A0[mt] = lds128_at(a_at + mt * 1024);
+                A1[mt] = lds128_at(a_at + mt * 1024 + 512);
+                SB0[mt] = lds64_at(s_at + mt * 128);
+                SB1[mt] = lds64_at(s_at + mt * 128 + 64);
             } else {
-                const uint2 w0 = *(const uint2*)(As + r * 64 + t4 * 16 + j * 8);
-                const uint2 w1 = *(const uint2*)(As + (r + 8) * 64 + t4 * 16 + j * 8);
+                const uint2 w0 = lds64_at(a_at + j * 8 + mt * 1024);
+                const uint2 w1 = lds64_at(a_at + j * 8 + mt * 1024 + 512);
                 A0[mt].x = w0.x; A0[mt].y = w0.y;
                 A1[mt].x = w1.x; A1[mt].y = w1.y;
-                SB0[mt].x = *(const u32*)(As + BM * 64 + r * 8 + j * 4);
-                SB1[mt].x = *(const u32*)(As + BM * 64 + (r + 8) * 8 + j * 4);
+                SB0[mt].x = lds32_at(s_at + j * 4 + mt * 128);
+                SB1[mt].x = lds32_at(s_at + j * 4 + mt * 128 + 64);
             }
         }
 #pragma unroll
         for (int n = 0; n < NL; ++n) {
-            const int tk = nbase + n * 8 + 2 * t4;
             if constexpr (ONCE) {
-                X[n] = *(const float4*)(Xs + tk * 2);
+                const uint4 v = lds128_at(x_at + n * 64);
+                X[n] = make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
             } else {
-                X[n].x = Xs[tk * 2 + j];
-                X[n].z = Xs[(tk + 1) * 2 + j];
+                X[n].x = __uint_as_float(lds32_at(x_at + j * 4 + n * 64));
+                X[n].z = __uint_as_float(lds32_at(x_at + j * 4 + n * 64 + 8));
             }
         }
     };
@@ -203,6 +211,7 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
     for (int j = 0; j < 2; ++j) {
         if constexpr (!ONCE) fetch(j);
         const int jf = ONCE ? j : 0;  // group j's place in the fetched registers
+        const u32 bj = b_at + j * 128;
         float acc[MT][NL][4];
 #pragma unroll
         for (int i = 0; i < MT; ++i)
@@ -212,12 +221,13 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], const unsigned char* As, const __nv_
                 for (int c = 0; c < 4; ++c) acc[i][n][c] = 0.f;
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-            const int k0 = j * 64 + s * 16;
             u32 b[NL][2];
             if constexpr (NL == 1) {
-                ldsm_x2(b[0][0], b[0][1], Bh + (nbase + (lane & 7)) * BS_STRIDE + k0 + ((lane >> 3) & 1) * 8);
+                ldsm_x2_at(b[0][0], b[0][1], bj + s * 32);
             } else {
-                load_b<NL>(b, Bh, nbase, k0, lane);
+#pragma unroll
+                for (int np = 0; np < NL / 2; ++np)
+                    ldsm_x4_at(b[2 * np][0], b[2 * np][1], b[2 * np + 1][0], b[2 * np + 1][1], bj + s * 32 + np * 32 * BS_STRIDE);
             }
             const int p0 = 2 * (s & 1), wi = 2 * jf + (s >> 1);  // pair slots, fetched word
 #pragma unroll
@@ -391,19 +401,19 @@ DEVI void gemm_body(const GemmArgs& a) {
 
         unsigned char* As = smem + st * STAGE;
         unsigned char* Bs = As + A_BYTES;
-        const float* Xs = (const float*)(Bs + B_BYTES);
         const __nv_bfloat16* Bh = (const __nv_bfloat16*)Bs;
 
         if constexpr (FMT == FMT_Q4) {
+            const u32 as = smem_u32(As), bs = as + A_BYTES, xs = bs + B_BYTES;
             if constexpr (WN == 1) {
                 // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all): the others
                 // would multiply zero-filled rows.
-                if (count <= 8) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
-                else if (count <= 16) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
-                else if (NT > 4 && count <= 32) q4_kstep<MT, NT, (NT > 4 ? 4 : NT), Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
-                else q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
+                if (count <= 8) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                else if (count <= 16) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                else if (NT > 4 && count <= 32) q4_kstep<MT, NT, (NT > 4 ? 4 : NT), Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                else q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
             } else {
-                q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, As, Bh, Xs, row0, nbase, lane);
+                q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
             }
         } else {
             const __nv_bfloat16* Ah = (const __nv_bfloat16*)As;
