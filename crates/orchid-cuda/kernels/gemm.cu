@@ -52,7 +52,7 @@ struct GemmCfg {
     // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32 and 64:
     // 8 x 1, each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised
     // once per block (and only the n8 tiles that hold tokens are multiplied); the others 2 x 4.
-    static constexpr int WN = FMT == FMT_Q4 && BN <= 64 ? 1 : 4;
+    static constexpr int WN = FMT == FMT_Q4 ? (BN == 32 ? 1 : BN == 64 ? 2 : 4) : 4;
     // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
     // where the registers allow (BN 32), else per 64-group.
     static constexpr bool Q4_ONCE = BN == 32;
@@ -405,13 +405,15 @@ DEVI void gemm_body(const GemmArgs& a) {
 
         if constexpr (FMT == FMT_Q4) {
             const u32 as = smem_u32(As), bs = as + A_BYTES, xs = bs + B_BYTES;
-            if constexpr (WN == 1) {
-                // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all): the others
-                // would multiply zero-filled rows.
-                if (count <= 8) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-                else if (count <= 16) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-                else if (NT > 4 && count <= 32) q4_kstep<MT, NT, (NT > 4 ? 4 : NT), Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-                else q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+            if constexpr (WN == 1 || WN == 2) {
+                // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all of the warp's):
+                // the others would multiply zero-filled rows. cw: the tile's tokens from this
+                // warp's first on (warp-uniform).
+                const int cw = count - nbase;
+                if (cw > 16 && NT > 4 && cw <= 32) q4_kstep<MT, NT, (NT > 4 ? 4 : NT), Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                else if (cw > 16) q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                else if (cw > 8) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                else if (cw > 0) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
             } else {
                 q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
             }
