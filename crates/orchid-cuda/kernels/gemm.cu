@@ -4,10 +4,13 @@
 // activations come prepared once per call by gemm_xprep: xb bf16 [*, kpad] (x rounded, zero beyond
 // K) and xs f32 [*, kpad/64] (the sum of each 64-group of the rounded values, which folds the Q4
 // +128 offset out). A block computes a BM x BN tile (BM = 128 weight rows, BN = 32, 64 or 128
-// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4 with BN 32
-// and 64: 8 (rows) x 1, each warp 16 rows x all the tile's tokens, so that each 4-bit fragment is
-// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels), and a warp
-// multiplies only the n8 tiles that hold tokens of the tile (MoE tiles are mostly sparse).
+// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4: BN 32 as
+// 8 (rows) x 1, each warp 16 rows x all the tile's tokens, so that each 4-bit fragment is
+// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels); BN 64
+// as 4 x 2, each fragment dequantised by 2 warps, each warp reading half the tile's tokens (8 x 1
+// there left the shared-memory pipe, which every warp's copy of the B tile went through, the
+// limit). A Q4 warp multiplies only the n8 tiles that hold tokens of the tile (MoE tiles are
+// mostly sparse).
 // Every output is the same sequence of mma and scale steps whatever the layout.
 //
 // Main loop: an S-stage cp.async pipeline (S per kernel: GemmCfg). A stage holds one k-step: the
@@ -49,9 +52,10 @@ struct GemmCfg {
     static constexpr int B_BYTES = BN * BS_STRIDE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES + BN * 2 * 4;
     static constexpr int STAGES = FMT == FMT_Q4 ? (BN == 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
-    // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32 and 64:
-    // 8 x 1, each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised
-    // once per block (and only the n8 tiles that hold tokens are multiplied); the others 2 x 4.
+    // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32: 8 x 1,
+    // each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised once
+    // per block; Q4 BN 64: 4 x 2 (each fragment twice, half the B-tile reads per warp); the
+    // others 2 x 4.
     static constexpr int WN = FMT == FMT_Q4 ? (BN == 32 ? 1 : BN == 64 ? 2 : 4) : 4;
     // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
     // where the registers allow (BN 32), else per 64-group.

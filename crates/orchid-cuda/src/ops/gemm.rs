@@ -124,8 +124,8 @@ pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
 /// K parts are chosen apart, `gemm_kparts`). Q4 narrows only while the narrower grid still fits
 /// one block per SM, a rule set when a Q4 block's main cost, dequantising its 128 weight rows in
 /// registers, was the same for any width (since then the 32-token kernel dequantises each
-/// fragment once, the 64/128-token ones by 4 token warps: to be re-measured); a bf16 block's
-/// work shrinks with its width.
+/// fragment once, the 64-token one twice: to be re-measured); a bf16 block's work shrinks with
+/// its width.
 pub fn gemm_bn_dense(fmt: WFormat, t: usize, row_blocks: usize, sms: usize) -> usize {
     let blocks = |bn: usize| row_blocks * t.div_ceil(bn);
     let mut bn = gemm_bn(fmt, t, None);
