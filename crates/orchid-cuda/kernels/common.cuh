@@ -111,20 +111,14 @@ DEVI void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 
 DEVI u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-DEVI void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
-}
-// Two 8x8 b16 matrices (addresses from lanes 0-15): the B fragment of one n8 tile.
-DEVI void ldsm_x2(u32& r0, u32& r1, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
-}
-// The same loads at a 32-bit shared address (smem_u32): with the address written as one base plus
+// Loads at a 32-bit shared address (smem_u32): with the address written as one base plus
 // constants, the constants become the instructions' immediate offsets (no address arithmetic per
 // load).
 DEVI void ldsm_x4_at(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
 }
+DEVI void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) { ldsm_x4_at(r0, r1, r2, r3, smem_u32(p)); }
+// Two 8x8 b16 matrices (addresses from lanes 0-15): the B fragment of one n8 tile.
 DEVI void ldsm_x2_at(u32& r0, u32& r1, u32 a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(a));
 }
