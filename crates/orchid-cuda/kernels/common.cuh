@@ -195,6 +195,41 @@ DEVI void pdl_enter() {
     pdl_launch();
 }
 
+// Thread-block clusters (Hopper and newer; the host launches a cluster only there). cluster_sync:
+// every thread of every block of the cluster arrives, and the shared-memory writes before it are
+// visible to the cluster's blocks after it (also a block barrier). dsmem_ld: a float at shared
+// address `at` (smem_u32) of the cluster's block `rank`.
+DEVI void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The block's rank in its cluster and the cluster's blocks (volatile reads: the compiler keeps no
+// copy of blockIdx / gridDim alive across a kernel's main loop for them).
+DEVI u32 cluster_rank() {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+    return r;
+}
+DEVI u32 cluster_blocks() {
+    u32 r = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+#endif
+    return r;
+}
+DEVI float dsmem_ld(u32 at, u32 rank) {
+    float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(at), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
 // 16-byte load through L2 only (activations another kernel just wrote).
 DEVI float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 

@@ -34,10 +34,13 @@
 // group; the launcher asks for M % 128 == 0 and ldo == M, so no padding columns exist).
 //
 // Split-K (dense GEMMs whose weight rows alone leave SMs idle, ops::gemm_kparts): grid.z = K
-// parts; block z sums its share of the k-steps from zero and writes its f32 partial sums (PAIR:
-// gate and up apart) to part z of a scratch matrix; gemm_splitk_reduce adds the parts in the
-// order 0, 1, ... (no atomics: bit-identical runs) and writes the outputs or adds them onto out.
-// The Q4 group-sum term is per 64-group, so it splits with the k-steps.
+// parts; block z sums its share of the k-steps from zero. With a.cluster (Hopper: each tile's K
+// parts one cluster, ops::gemm::SplitkSum) the parts' C tiles stay in shared memory and every
+// block finishes a share of the tile's tokens, summing the parts through distributed shared
+// memory; otherwise block z writes its f32 partial sums (PAIR: gate and up apart) to part z of a
+// scratch matrix and gemm_splitk_reduce sums them. Either way the parts are added in the order 0,
+// 1, ... (no atomics: bit-identical runs, and the same bits both ways), then the outputs written
+// or added onto out. The Q4 group-sum term is per 64-group, so it splits with the k-steps.
 
 #define BM 128
 #define BK 128
@@ -261,7 +264,59 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, in
     }
 }
 
-template <int FMT, int BN, bool PAIR>
+// silu(g) · u, as every GEMM epilogue and split-K reduction forms it.
+DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+// Split-K in clusters (the _kc kernels): the tile's K parts are the cluster's blocks (rank
+// blockIdx.z), each with its partial C tile [tokens][BM + 4] f32 at shared address cs. Block z
+// finishes the tile's tokens [z · n / Z, (z + 1) · n / Z) of its n, each C value the sum of the Z
+// parts' in the order 0, 1, ... (the bits of gemm_splitk_reduce), as the one-pass epilogue does
+// (PAIR: silu(gate) · up, prepared for the next GEMM with xs_out; else stored or, with acc, added).
+template <int BN, bool PAIR>
+DEVI void splitk_cluster_finish(const GemmArgs& a, u32 cs) {
+    constexpr int CST = BM + 4, OUTW = PAIR ? BM / 2 : BM;
+    u32 bx, by;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bx));
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(by));
+    const int start = by * BN, n = min(BN, a.T - start), m0 = bx * OUTW, mrem = min(OUTW, a.M - m0);
+    const int Z = cluster_blocks(), z0 = cluster_rank(), tb = z0 * n / Z, te = (z0 + 1) * n / Z;
+    auto cval = [&](int tk, int r) {
+        const u32 at = cs + 4 * (tk * CST + r);
+        float v = dsmem_ld(at, 0);
+        for (int z = 1; z < Z; ++z) v += dsmem_ld(at, z);
+        return v;
+    };
+    if (PAIR && a.xs_out) {
+        const int q = threadIdx.x & 15;  // as the one-pass epilogue: 16 lanes per token
+        for (int tk0 = tb; tk0 < te; tk0 += 16) {
+            const int tk = tk0 + (threadIdx.x >> 4);
+            float v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int r = 4 * q + j;
+                v[j] = (tk < te && r < mrem) ? silu_times(cval(tk, r), cval(tk, BM / 2 + r)) : 0.f;
+            }
+            const u32 p0 = pack_bf16(v[0], v[1]), p1 = pack_bf16(v[2], v[3]);
+            const float gs = group64_sum(p0, p1);
+            if (tk < te) {
+                const i64 row = start + tk;
+                *(uint2*)((__nv_bfloat16*)a.out + row * a.ldo + m0 + 4 * q) = make_uint2(p0, p1);
+                if (q == 0) ((float*)a.xs_out)[row * (a.ldo / 64) + m0 / 64] = gs;
+            }
+        }
+        return;
+    }
+    const int r = threadIdx.x % OUTW;
+    if (r >= mrem) return;
+    float* o = (float*)a.out + (i64)start * a.ldo + m0 + r;
+    for (int tk = tb + (int)threadIdx.x / OUTW; tk < te; tk += 256 / OUTW) {
+        float v = cval(tk, r);
+        if (PAIR) v = silu_times(v, cval(tk, BM / 2 + r));
+        o[(i64)tk * a.ldo] = a.acc ? o[(i64)tk * a.ldo] + v : v;
+    }
+}
+
+template <int FMT, int BN, bool PAIR, bool CLUSTER>
 DEVI void gemm_body(const GemmArgs& a) {
     pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
     using Cfg = GemmCfg<FMT, BN>;
@@ -460,6 +515,12 @@ DEVI void gemm_body(const GemmArgs& a) {
             }
         }
     }
+    if constexpr (CLUSTER) {
+        cluster_sync();  // every part's C tile is in its block's shared memory
+        splitk_cluster_finish<BN, PAIR>(a, smem_u32(Cs));
+        cluster_sync();  // the parts' tiles stay until every block has read them
+        return;
+    }
     __syncthreads();
     if (PAIR && a.xs_out && gridDim.z == 1) {
         // Prepared rows: 16 lanes per token, lane q the tile rows 4q .. 4q + 3, rounded and summed
@@ -506,9 +567,14 @@ DEVI void gemm_body(const GemmArgs& a) {
     }
 }
 
-// MINB: blocks per SM the registers are bounded for (2 where shared memory allows two).
+// MINB: blocks per SM the registers are bounded for (2 where shared memory allows two). The _kc
+// kernels: dense split-K GEMMs launched as clusters of their K parts (a kernel of its own, so
+// that the others keep their registers: the cluster epilogue in the same kernel spilled in the
+// main loop of the 64-token Q4 ones).
 #define GEMM_KERNEL(name, FMT, BN, PAIR, MINB) \
-    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR>(a); }
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, false>(a); }
+#define GEMM_KERNEL_KC(name, FMT, BN, PAIR, MINB) \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, true>(a); }
 GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false, 2)
 GEMM_KERNEL(gemm_q4_pair_n32, FMT_Q4, 32, true, 2)
 GEMM_KERNEL(gemm_bf16_n32, FMT_BF16, 32, false, 1)
@@ -521,6 +587,14 @@ GEMM_KERNEL(gemm_bf16_n64, FMT_BF16, 64, false, 2)
 GEMM_KERNEL(gemm_bf16_n128, FMT_BF16, 128, false, 1)
 GEMM_KERNEL(gemm_bf16_pair_n64, FMT_BF16, 64, true, 2)
 GEMM_KERNEL(gemm_bf16_pair_n128, FMT_BF16, 128, true, 1)
+GEMM_KERNEL_KC(gemm_q4_n32_kc, FMT_Q4, 32, false, 2)
+GEMM_KERNEL_KC(gemm_q4_pair_n32_kc, FMT_Q4, 32, true, 2)
+GEMM_KERNEL_KC(gemm_q4_n64_kc, FMT_Q4, 64, false, 2)
+GEMM_KERNEL_KC(gemm_q4_pair_n64_kc, FMT_Q4, 64, true, 2)
+GEMM_KERNEL_KC(gemm_bf16_n64_kc, FMT_BF16, 64, false, 2)
+GEMM_KERNEL_KC(gemm_bf16_pair_n64_kc, FMT_BF16, 64, true, 2)
+GEMM_KERNEL_KC(gemm_bf16_n128_kc, FMT_BF16, 128, false, 1)
+GEMM_KERNEL_KC(gemm_bf16_pair_n128_kc, FMT_BF16, 128, true, 1)
 
 // Split-K reduction: out[n, m] = Σ_z part[z][n][m] for m < M, summed in the order z = 0, 1, ...,
 // kparts − 1 (so every run gives the same bits), then out[n, m] + that sum where acc (a residual
@@ -544,7 +618,6 @@ DEVI void sum_parts(const float* p, i64 ps, int kparts, float4& s) {
         s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
     }
 }
-DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
 DEVI float4 silu_times(float4 g, float4 u) {
     return make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
 }

@@ -445,15 +445,53 @@ impl Kernel {
 
     /// Launches with a list of pointers to the arguments.
     pub fn launch_raw(&self, gpu: &Gpu, grid: (u32, u32, u32), block: u32, smem: u32, params: &mut [*mut c_void]) -> Result<()> {
+        self.launch_ex(gpu, grid, None, block, smem, params)
+    }
+
+    /// `launch` as thread-block clusters of `cluster` blocks (compute capability 9.0+; the grid a
+    /// multiple of it in each dimension).
+    pub fn launch_cluster<A>(
+        &self,
+        gpu: &Gpu,
+        grid: (u32, u32, u32),
+        cluster: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<()> {
+        self.launch_ex(gpu, grid, Some(cluster), block, smem, &mut [args as *const A as *mut c_void])
+    }
+
+    fn launch_ex(
+        &self,
+        gpu: &Gpu,
+        grid: (u32, u32, u32),
+        cluster: Option<(u32, u32, u32)>,
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let r = if PDL.with(|p| p.get()) {
-            // SAFETY: the attribute and config live across the call; as above for the rest.
+        let pdl = PDL.with(|p| p.get());
+        let r = if pdl || cluster.is_some() {
+            // SAFETY: the attributes and config live across the call; as below for the rest.
             unsafe {
-                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                attr.value.programmaticStreamSerializationAllowed = 1;
+                let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+                let mut n = 0;
+                if pdl {
+                    attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                    attrs[n].value.programmaticStreamSerializationAllowed = 1;
+                    n += 1;
+                }
+                if let Some((x, y, z)) = cluster {
+                    attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                    attrs[n].value.clusterDim.x = x;
+                    attrs[n].value.clusterDim.y = y;
+                    attrs[n].value.clusterDim.z = z;
+                    n += 1;
+                }
                 let cfg = sys::CUlaunchConfig {
                     gridDimX: grid.0,
                     gridDimY: grid.1,
@@ -463,8 +501,8 @@ impl Kernel {
                     blockDimZ: 1,
                     sharedMemBytes: smem,
                     hStream: gpu.stream,
-                    attrs: &mut attr,
-                    numAttrs: 1,
+                    attrs: attrs.as_mut_ptr(),
+                    numAttrs: n as u32,
                 };
                 sys::cuLaunchKernelEx(&cfg, self.f, params.as_mut_ptr(), std::ptr::null_mut())
             }

@@ -78,6 +78,9 @@ pub struct Tuning {
     /// shared expert as one more expert of the grouped GEMMs where its weights have an expert's
     /// shape (`ops::gemm::AltExpert`); false: GEMMs of its own.
     pub shared_grouped: bool,
+    /// Split-K GEMMs sum their K parts inside the GEMM, as thread-block clusters
+    /// (`ops::gemm::SplitkSum::Cluster`, where the GPU has them); false: a reduction kernel.
+    pub splitk_cluster: bool,
 }
 
 impl Default for Tuning {
@@ -96,6 +99,7 @@ impl Default for Tuning {
             gemm_kparts_max: 8,
             route_rows: true,
             shared_grouped: true,
+            splitk_cluster: true,
         }
     }
 }
@@ -117,6 +121,7 @@ impl Tuning {
             gemm_kparts_max: self.gemm_kparts_max.clamp(1, crate::ops::gemm::GEMM_KPARTS_MAX),
             route_rows: self.route_rows,
             shared_grouped: self.shared_grouped,
+            splitk_cluster: self.splitk_cluster,
         }
     }
 }
@@ -143,6 +148,7 @@ mod tests {
             gemm_kparts_max: 0,
             route_rows: true,
             shared_grouped: false,
+            splitk_cluster: false,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

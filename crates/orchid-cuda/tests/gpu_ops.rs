@@ -124,13 +124,15 @@ fn gemm_parts(
 
 /// Split-K dense GEMMs (batched decode: 16–64 tokens) in both formats: against the CPU (strict,
 /// as `matmul_q4_and_bf16`), against the one-pass GEMM (only the summation order differs),
-/// bit-identical from run to run, through `matmul` (the rule's parts) and `matmul_add` (the
-/// reduction adds onto the residual). N = 1001 takes the one-output-per-thread reduction and a
-/// partial row block, N = 2048 and 520 the 4-output one.
+/// bit-identical from run to run and between the two ways of summing the parts (clusters, and
+/// the reduction kernel; 12 parts: more than a cluster holds), through `matmul` (the rule's
+/// parts) and `matmul_add` (the reduction adds onto the residual). N = 1001 takes the
+/// one-output-per-thread reduction and a partial row block, N = 2048 and 520 the 4-output one.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_split_k() {
     let g = gpu();
+    let red = g.with_tuning(&orchid_cuda::Tuning { splitk_cluster: false, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(12);
     let shapes = [(2048usize, 2048usize), (4096, 520), (2048, 1001), (1024, 64)];
@@ -148,12 +150,14 @@ fn matmul_split_k() {
                 let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
                 let one = gemm_parts(&g, &gw, None, &xp, t, 1);
                 report(&format!("split-K one pass strict {tag}"), rel_l2(&one, &strict), 1e-4);
-                for parts in [2, 3, kp.max(4)] {
+                for parts in [2, 3, kp.max(4), 12] {
                     let y = gemm_parts(&g, &gw, None, &xp, t, parts);
                     let again = gemm_parts(&g, &gw, None, &xp, t, parts);
                     report(&format!("split-K {parts} parts strict {tag}"), rel_l2(&y, &strict), 1e-4);
                     report(&format!("split-K {parts} parts vs one pass {tag}"), rel_l2(&y, &one), 1e-5);
                     report_same(&format!("split-K {parts} parts run to run {tag}"), &y, &again);
+                    let yr = gemm_parts(&red, &gw, None, &xp, t, parts);
+                    report_same(&format!("split-K {parts} parts cluster = reduction kernel {tag}"), &y, &yr);
                 }
                 // Through the backend: the rule's parts.
                 let gy = host(&g, &g.matmul(&gx, &gw).unwrap());
@@ -172,11 +176,14 @@ fn matmul_split_k() {
                 let mut gr2 = up(&g, t, n, &r);
                 g.matmul_add(&mut gr2, &gx, &gw).unwrap();
                 report_same(&format!("split-K matmul_add run to run {tag}"), &got, &host(&g, &gr2));
-                let acc = up(&g, t, n, &r);
-                gemm::gemm_split(&g.ctx, &gw, None, &xp, t, acc.ptr(), n, 3, true).unwrap();
-                let y3 = gemm_parts(&g, &gw, None, &xp, t, 3);
-                let sum3: Vec<f32> = r.iter().zip(&y3).map(|(a, b)| a + b).collect();
-                report_same(&format!("split-K accumulate = residual + product {tag}"), &host(&g, &acc), &sum3);
+                for b in [&g, &red] {
+                    let acc = up(&g, t, n, &r);
+                    gemm::gemm_split(&b.ctx, &gw, None, &xp, t, acc.ptr(), n, 3, true).unwrap();
+                    let y3 = gemm_parts(b, &gw, None, &xp, t, 3);
+                    let sum3: Vec<f32> = r.iter().zip(&y3).map(|(a, b)| a + b).collect();
+                    let how = if b.ctx.tuning.splitk_cluster { "cluster" } else { "reduction kernel" };
+                    report_same(&format!("split-K accumulate = residual + product ({how}) {tag}"), &host(&g, &acc), &sum3);
+                }
                 // One pass that adds in its store.
                 let acc1 = up(&g, t, n, &r);
                 gemm::gemm_split(&g.ctx, &gw, None, &xp, t, acc1.ptr(), n, 1, true).unwrap();
@@ -359,6 +366,7 @@ fn grouped_gemm_reads_a_separate_expert() {
 #[ignore = "needs a CUDA GPU"]
 fn gemm_pair_x_equals_pair_then_prep() {
     let g = gpu();
+    let red = g.with_tuning(&orchid_cuda::Tuning { splitk_cluster: false, ..Default::default() }).unwrap();
     let mut rng = Rng::new(23);
     let bytes = |xp: &GemmX| {
         let mut v = vec![0u8; xp.buf.bytes];
@@ -381,6 +389,13 @@ fn gemm_pair_x_equals_pair_then_prep() {
                 let same = fused.buf.bytes == plain.buf.bytes && bytes(&fused) == bytes(&plain);
                 let tag = format!("{name} T={t} K={k} N={n} ({parts} K parts)");
                 report(&format!("gemm_pair_x = pair + gemm_x {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
+                // The parts summed by the reduction kernel instead of in clusters: the same bytes.
+                let reduced = gemm::gemm_pair_x(&red.ctx, &gg, &gu, &xp, 0, t, None).unwrap();
+                let same = bytes(&reduced) == bytes(&fused);
+                report(&format!("gemm_pair_x cluster = reduction kernel {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
+                let hr = red.tensor(t, n).unwrap();
+                gemm::gemm(&red.ctx, &gg, Some(&gu), &xp, 0, t, None, hr.ptr(), n).unwrap();
+                report_same(&format!("gemm pair cluster = reduction kernel {tag}"), &host(&g, &h), &host(&red, &hr));
             }
         }
     }

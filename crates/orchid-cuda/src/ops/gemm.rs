@@ -77,6 +77,25 @@ pub const SPLITK_MIN_KSTEPS: usize = 4;
 /// Most tokens a split-K GEMM takes (batched decode); beyond, the token tiles fill the GPU and
 /// the partials (8 bytes per token and weight row and part) would cost more than they save.
 pub const SPLITK_MAX_TOKENS: usize = 128;
+/// Most K parts one cluster holds (the portable cluster size).
+pub const SPLITK_CLUSTER_MAX: usize = 8;
+
+/// How a split-K GEMM sums its K parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitkSum {
+    /// In the GEMM: a tile's K parts are one thread-block cluster, each part leaves its partial
+    /// tile in its shared memory and the cluster's blocks sum them through distributed shared
+    /// memory (compute capability 9.0+, at most `SPLITK_CLUSTER_MAX` parts; the `_kc` kernels).
+    Cluster,
+    /// Partial sums to a scratch matrix, summed by a second kernel (`gemm_splitk_reduce`).
+    Kernel,
+}
+
+/// The way this GPU and tuning sum `kparts` K parts; both give the same bits (the parts in the
+/// order 0, 1, ..., then the same epilogue).
+pub fn splitk_sum(c: &Ctx, kparts: usize) -> SplitkSum {
+    if c.tuning.splitk_cluster && c.gpu.cc.0 >= 9 && kparts <= SPLITK_CLUSTER_MAX { SplitkSum::Cluster } else { SplitkSum::Kernel }
+}
 
 /// K parts of a dense GEMM of `row_blocks` blocks along the weight rows (128 rows, PAIR 64),
 /// `ksteps` k-steps of 128 and `t` tokens on `sms` SMs, at most `max`: 1 (one pass over K) for
@@ -107,12 +126,14 @@ fn kparts_of_rows(c: &Ctx, row_blocks: usize, kpad: usize, t: usize) -> usize {
 }
 
 /// Token-tile width: 32 for sparse groups (fewer than 32 tokens per expert on average: the
-/// tile's unused columns cost mma and staging work), 64 for Q4 (register budget) and for short
-/// or grouped inputs, else 128.
+/// tile's unused columns cost mma and staging work) and for dense Q4 GEMMs of at most 32 tokens
+/// (the 64-token tile's second column of warps would hold no tokens), 64 for Q4 (register
+/// budget) and for short or grouped inputs, else 128.
 pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
     match grouped {
         Some(avg) if avg < 32 => 32,
         Some(_) => 64,
+        None if fmt == WFormat::Q4 && t <= 32 => 32,
         None if fmt == WFormat::Q4 || t < 128 => 64,
         None => 128,
     }
@@ -387,9 +408,11 @@ fn gemm_launch(
     if kparts > 1 && t > 65535 {
         return Err(Error::Op { op: "gemm", msg: format!("split-K over {t} tokens (at most 65535: the reduction's grid)") });
     }
-    // Split-K: the parts' partial sums [kparts][t][ldp] (PAIR: gate, then up), reduced below.
+    // Split-K: clusters of the K parts that sum in the kernel, or the parts' partial sums
+    // [kparts][t][ldp] (PAIR: gate, then up), reduced below.
+    let cluster = kparts > 1 && splitk_sum(c, kparts) == SplitkSum::Cluster;
     let ldp = m.next_multiple_of(4) * if pair { 2 } else { 1 };
-    let scratch = if kparts > 1 { Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?) } else { None };
+    let scratch = if kparts > 1 && !cluster { Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?) } else { None };
     let a = GemmArgs {
         w: w.w_ptr(),
         sb: w.sb_ptr(),
@@ -401,14 +424,14 @@ fn gemm_launch(
         out: scratch.as_ref().map_or(out, |b| b.ptr),
         tiles: grouped.as_ref().map_or(0, |g| g.tiles),
         num_tiles: grouped.as_ref().map_or(0, |g| g.num_tiles),
-        xs_out: if kparts > 1 { 0 } else { xs_out },
+        xs_out: if scratch.is_some() { 0 } else { xs_out },
         m: m as i32,
         rows_e: w.rows_pad as i32,
         k: w.cols as i32,
         kpad: w.kpad as i32,
-        ldo: if kparts > 1 { ldp } else { ldo } as i32,
+        ldo: if scratch.is_some() { ldp } else { ldo } as i32,
         t: t as i32,
-        acc: (accumulate && kparts == 1) as i32,
+        acc: (accumulate && scratch.is_none()) as i32,
         m1: concat.map_or(0, |_| w.rows as i32),
         alt_expert: alt.map_or(0, |x| x.expert as i32),
         pad0: 0,
@@ -417,9 +440,21 @@ fn gemm_launch(
         alt_w2: alt.map_or(0, |x| x.w2),
         alt_sb2: alt.map_or(0, |x| x.sb2),
     };
-    let name = format!("gemm_{}{}_n{bn}", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" }, if pair { "_pair" } else { "" });
+    // The _kc kernels: split-K as clusters of the K parts, summed in the kernel's epilogue, which
+    // writes `out` as one pass would.
+    let name = format!(
+        "gemm_{}{}_n{bn}{}",
+        if w.fmt == WFormat::Q4 { "q4" } else { "bf16" },
+        if pair { "_pair" } else { "" },
+        if cluster { "_kc" } else { "" }
+    );
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
-    c.k(&name).launch(&c.gpu, (gx as u32, gy as u32, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
+    let grid = (gx as u32, gy as u32, kparts as u32);
+    let smem = gemm_smem(w.fmt, bn) as u32;
+    if cluster {
+        return c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, smem, &a);
+    }
+    c.k(&name).launch(&c.gpu, grid, 256, smem, &a)?;
     let Some(part) = scratch else { return Ok(()) };
     let vec = m.is_multiple_of(4) && ldo.is_multiple_of(4) && out.is_multiple_of(16);
     let r = SplitkArgs {
@@ -485,6 +520,8 @@ mod tests {
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, None), 128);
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, Some(128)), 64);
         assert_eq!(gemm_bn(WFormat::Q4, 4096, Some(8)), 32);
+        assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
+        assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn);
         assert_eq!(smem(WFormat::Q4, 32), 109056); // 6 stages

@@ -12,7 +12,7 @@
 //!   ATTN_PREFILL_SPLITS (1: no split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS,
 //!   GEMM_KPARTS_MAX (1: no split-K GEMMs), ROUTE_ROWS (0: batched decode without the router
 //!   fused into the experts' kernel), SHARED_GROUPED (0: the shared expert's own GEMMs in
-//!   batched decode)).
+//!   batched decode), SPLITK_CLUSTER (0: split-K GEMMs summed by a reduction kernel)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -66,6 +66,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 gemm_kparts_max: tune("GEMM_KPARTS_MAX", t.gemm_kparts_max),
                 route_rows: tune("ROUTE_ROWS", t.route_rows as usize) != 0,
                 shared_grouped: tune("SHARED_GROUPED", t.shared_grouped as usize) != 0,
+                splitk_cluster: tune("SPLITK_CLUSTER", t.splitk_cluster as usize) != 0,
             },
         }
     })
