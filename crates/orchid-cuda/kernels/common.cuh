@@ -229,6 +229,15 @@ DEVI float dsmem_ld(u32 at, u32 rank) {
 #endif
     return v;
 }
+DEVI float4 dsmem_ld4(u32 at, u32 rank) {  // at: 16-byte aligned
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(at), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+#endif
+    return v;
+}
 
 // 16-byte load through L2 only (activations another kernel just wrote).
 DEVI float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }

@@ -266,53 +266,66 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, in
 
 // silu(g) · u, as every GEMM epilogue and split-K reduction forms it.
 DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+DEVI float4 silu_times(float4 g, float4 u) {
+    return make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
+}
 
 // Split-K in clusters (the _kc kernels): the tile's K parts are the cluster's blocks (rank
 // blockIdx.z), each with its partial C tile [tokens][BM + 4] f32 at shared address cs. Block z
 // finishes the tile's tokens [z · n / Z, (z + 1) · n / Z) of its n, each C value the sum of the Z
 // parts' in the order 0, 1, ... (the bits of gemm_splitk_reduce), as the one-pass epilogue does
 // (PAIR: silu(gate) · up, prepared for the next GEMM with xs_out; else stored or, with acc, added).
+// A thread takes 4 consecutive rows of a token (16-byte reads of every part's tile, all in flight
+// together): PAIR 16 threads per token (gate rows 4q .. 4q + 3 and their up rows), else 32.
 template <int BN, bool PAIR>
 DEVI void splitk_cluster_finish(const GemmArgs& a, u32 cs) {
-    constexpr int CST = BM + 4, OUTW = PAIR ? BM / 2 : BM;
-    u32 bx, by;
+    constexpr int CST = BM + 4, OUTW = PAIR ? BM / 2 : BM, TPT = OUTW / 4;  // threads per token
+    u32 bx, by;  // volatile reads: no copy of blockIdx stays alive across the main loop
     asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bx));
     asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(by));
     const int start = by * BN, n = min(BN, a.T - start), m0 = bx * OUTW, mrem = min(OUTW, a.M - m0);
     const int Z = cluster_blocks(), z0 = cluster_rank(), tb = z0 * n / Z, te = (z0 + 1) * n / Z;
-    auto cval = [&](int tk, int r) {
+    const int q = threadIdx.x % TPT, r4 = 4 * q;
+    // Σ over the parts of the 4 values at tile position (tk, r), in part order.
+    auto sum4 = [&](int tk, int r) {
         const u32 at = cs + 4 * (tk * CST + r);
-        float v = dsmem_ld(at, 0);
-        for (int z = 1; z < Z; ++z) v += dsmem_ld(at, z);
+        float4 p[SPLITK_CLUSTER_MAX];
+#pragma unroll
+        for (int z = 0; z < SPLITK_CLUSTER_MAX; ++z)
+            if (z < Z) p[z] = dsmem_ld4(at, z);
+        float4 v = p[0];
+#pragma unroll
+        for (int z = 1; z < SPLITK_CLUSTER_MAX; ++z)
+            if (z < Z) { v.x += p[z].x; v.y += p[z].y; v.z += p[z].z; v.w += p[z].w; }
         return v;
     };
-    if (PAIR && a.xs_out) {
-        const int q = threadIdx.x & 15;  // as the one-pass epilogue: 16 lanes per token
-        for (int tk0 = tb; tk0 < te; tk0 += 16) {
-            const int tk = tk0 + (threadIdx.x >> 4);
-            float v[4];
+    // Every thread runs every pass (group64_sum shuffles the warp).
+    for (int tk0 = tb; tk0 < te; tk0 += 256 / TPT) {
+        const int tk = tk0 + (int)threadIdx.x / TPT;
+        const bool live = tk < te;
+        float4 v = live ? sum4(tk, r4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (PAIR && live) v = silu_times(v, sum4(tk, BM / 2 + r4));
+        const i64 row = start + tk;
+        if (PAIR && a.xs_out) {
+            // Prepared rows, as the one-pass epilogue writes them (rows beyond mrem: zero).
+            const float w[4] = {v.x, v.y, v.z, v.w};
+            float x[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = 4 * q + j;
-                v[j] = (tk < te && r < mrem) ? silu_times(cval(tk, r), cval(tk, BM / 2 + r)) : 0.f;
-            }
-            const u32 p0 = pack_bf16(v[0], v[1]), p1 = pack_bf16(v[2], v[3]);
+            for (int i = 0; i < 4; ++i) x[i] = r4 + i < mrem ? w[i] : 0.f;
+            const u32 p0 = pack_bf16(x[0], x[1]), p1 = pack_bf16(x[2], x[3]);
             const float gs = group64_sum(p0, p1);
-            if (tk < te) {
-                const i64 row = start + tk;
-                *(uint2*)((__nv_bfloat16*)a.out + row * a.ldo + m0 + 4 * q) = make_uint2(p0, p1);
+            if (live) {
+                *(uint2*)((__nv_bfloat16*)a.out + row * a.ldo + m0 + r4) = make_uint2(p0, p1);
                 if (q == 0) ((float*)a.xs_out)[row * (a.ldo / 64) + m0 / 64] = gs;
             }
+            continue;
         }
-        return;
-    }
-    const int r = threadIdx.x % OUTW;
-    if (r >= mrem) return;
-    float* o = (float*)a.out + (i64)start * a.ldo + m0 + r;
-    for (int tk = tb + (int)threadIdx.x / OUTW; tk < te; tk += 256 / OUTW) {
-        float v = cval(tk, r);
-        if (PAIR) v = silu_times(v, cval(tk, BM / 2 + r));
-        o[(i64)tk * a.ldo] = a.acc ? o[(i64)tk * a.ldo] + v : v;
+        if (!live) continue;
+        float* o = (float*)a.out + row * a.ldo + m0 + r4;
+        const float w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (r4 + i < mrem) o[i] = a.acc ? o[i] + w[i] : w[i];
     }
 }
 
@@ -617,9 +630,6 @@ DEVI void sum_parts(const float* p, i64 ps, int kparts, float4& s) {
         const float4 v = ldcg4(p + z * ps);
         s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
     }
-}
-DEVI float4 silu_times(float4 g, float4 u) {
-    return make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
 }
 DEVI float plus(float a, float b) { return a + b; }
 DEVI float4 plus(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }

@@ -14,6 +14,8 @@ crate::kernel_abi! {
     const {
         /// Runs of 128 columns per warp of `gemm_xprep`.
         XP_RUNS: usize = 4;
+        /// Most K parts one cluster holds (the portable cluster size).
+        SPLITK_CLUSTER_MAX: usize = 8;
     }
     #[derive(Clone, Copy, Default)]
     struct GemmArgs {
@@ -77,8 +79,6 @@ pub const SPLITK_MIN_KSTEPS: usize = 4;
 /// Most tokens a split-K GEMM takes (batched decode); beyond, the token tiles fill the GPU and
 /// the partials (8 bytes per token and weight row and part) would cost more than they save.
 pub const SPLITK_MAX_TOKENS: usize = 128;
-/// Most K parts one cluster holds (the portable cluster size).
-pub const SPLITK_CLUSTER_MAX: usize = 8;
 
 /// How a split-K GEMM sums its K parts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
