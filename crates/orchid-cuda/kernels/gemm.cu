@@ -54,18 +54,19 @@ struct GemmCfg {
     static constexpr int A_BYTES = FMT == FMT_Q4 ? BM * 64 + BM * 8 : BM * AB_STRIDE * 2;
     static constexpr int B_BYTES = BN * BS_STRIDE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES + BN * 2 * 4;
-    static constexpr int STAGES = FMT == FMT_Q4 ? (BN == 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
+    static constexpr int STAGES = FMT == FMT_Q4 ? (BN <= 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
     // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32: 8 x 1,
     // each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised once
     // per block; Q4 BN 64: 4 x 2 (each fragment twice, half the B-tile reads per warp); the
     // others 2 x 4.
-    static constexpr int WN = FMT == FMT_Q4 ? (BN == 32 ? 1 : BN == 64 ? 2 : 4) : 4;
+    static constexpr int WN = FMT == FMT_Q4 ? (BN <= 32 ? 1 : BN == 64 ? 2 : 4) : 4;
     // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
     // where the registers allow (BN 32), else per 64-group.
-    static constexpr bool Q4_ONCE = BN == 32;
+    static constexpr bool Q4_ONCE = BN <= 32;
     static constexpr int EPI = BN * (BM + 4) * 4;  // epilogue C tile
     static constexpr int SMEM = STAGES * STAGE > EPI ? STAGES * STAGE : EPI;
 };
+static_assert(GemmCfg<FMT_Q4, 8>::SMEM == 68736, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_Q4, 32>::SMEM == 109056, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_Q4, 64>::SMEM == 108544, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_Q4, 128>::SMEM == 225280, "ops::gemm_smem");
@@ -341,7 +342,8 @@ DEVI void gemm_body(const GemmArgs& a) {
     constexpr int B_BYTES = Cfg::B_BYTES;
     constexpr int STAGE = Cfg::STAGE;
     constexpr int S = Cfg::STAGES;
-    constexpr int BR = BN / 16;                 // B rows per thread per stage (16 threads per row)
+    constexpr int BR = BN >= 16 ? BN / 16 : 1;  // B rows per thread per stage (16 threads per row;
+                                                // BN 8: threads 0..127 only)
     constexpr int OUTW = PAIR ? BM / 2 : BM;    // output rows per block
     extern __shared__ __align__(16) unsigned char smem[];
 
@@ -441,7 +443,8 @@ DEVI void gemm_body(const GemmArgs& a) {
         unsigned char* Bs = As + A_BYTES;
 #pragma unroll
         for (int i = 0; i < BR; ++i)
-            cp_async16(Bs + ((threadIdx.x >> 4) + 16 * i) * BS_STRIDE * 2 + (threadIdx.x & 15) * 16, srcB[i] + kt * 256, b_ok(i));
+            if (BN >= 16 || (int)(threadIdx.x >> 4) < BN)
+                cp_async16(Bs + ((threadIdx.x >> 4) + 16 * i) * BS_STRIDE * 2 + (threadIdx.x & 15) * 16, srcB[i] + kt * 256, b_ok(i));
         if ((int)threadIdx.x < BN) cp_async8(Bs + B_BYTES + threadIdx.x * 8, srcX + kt * 8, x_ok());
     };
 
@@ -477,7 +480,9 @@ DEVI void gemm_body(const GemmArgs& a) {
 
         if constexpr (FMT == FMT_Q4) {
             const u32 as = smem_u32(As), bs = as + A_BYTES, xs = bs + B_BYTES;
-            if constexpr (WN == 1 || WN == 2) {
+            if constexpr (NT == 1) {
+                if (count - nbase > 0) q4_kstep<MT, 1, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+            } else if constexpr (WN == 1 || WN == 2) {
                 // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all of the warp's):
                 // the others would multiply zero-filled rows. cw: the tile's tokens from this
                 // warp's first on (warp-uniform).
@@ -588,6 +593,8 @@ DEVI void gemm_body(const GemmArgs& a) {
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, false>(a); }
 #define GEMM_KERNEL_KC(name, FMT, BN, PAIR, MINB) \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, true>(a); }
+GEMM_KERNEL(gemm_q4_n8, FMT_Q4, 8, false, 3)
+GEMM_KERNEL(gemm_q4_pair_n8, FMT_Q4, 8, true, 3)
 GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false, 2)
 GEMM_KERNEL(gemm_q4_pair_n32, FMT_Q4, 32, true, 2)
 GEMM_KERNEL(gemm_bf16_n32, FMT_BF16, 32, false, 1)

@@ -69,6 +69,8 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         headers: &[],
         source: include_str!("../kernels/gemm.cu"),
         kernels: &[
+            "gemm_q4_n8",
+            "gemm_q4_pair_n8",
             "gemm_q4_n32",
             "gemm_q4_pair_n32",
             "gemm_bf16_n32",

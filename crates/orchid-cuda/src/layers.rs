@@ -349,7 +349,7 @@ pub fn moe_into(
         }
     }
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
-    let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e));
+    let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e)).max(c.tuning.grouped_bn_min);
     // Batched decode: the lists in one block (fewer launches), the shared expert listed as
     // expert e of the grouped GEMMs where its weights have an expert's shape (no GEMMs of its
     // own); prompt chunks: over many blocks, the shared expert as dense GEMMs.

@@ -81,6 +81,9 @@ pub struct Tuning {
     /// Split-K GEMMs sum their K parts inside the GEMM, as thread-block clusters
     /// (`ops::gemm::SplitkSum::Cluster`, where the GPU has them); false: a reduction kernel.
     pub splitk_cluster: bool,
+    /// Narrowest token tile of the experts' grouped GEMMs (8, 32 or 64; `ops::gemm::gemm_bn`
+    /// picks 8 for Q4 experts averaging fewer than 8 tokens).
+    pub grouped_bn_min: usize,
 }
 
 impl Default for Tuning {
@@ -100,6 +103,7 @@ impl Default for Tuning {
             route_rows: true,
             shared_grouped: true,
             splitk_cluster: true,
+            grouped_bn_min: 8,
         }
     }
 }
@@ -122,6 +126,11 @@ impl Tuning {
             route_rows: self.route_rows,
             shared_grouped: self.shared_grouped,
             splitk_cluster: self.splitk_cluster,
+            grouped_bn_min: match self.grouped_bn_min {
+                0..=8 => 8,
+                9..=32 => 32,
+                _ => 64,
+            },
         }
     }
 }
@@ -149,12 +158,13 @@ mod tests {
             route_rows: true,
             shared_grouped: false,
             splitk_cluster: false,
+            grouped_bn_min: 100,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));
         assert_eq!((c.gdn_rows_kernel, c.moe_down_ksplit), (4096, 8));
         assert_eq!(c.attn_splits, crate::ops::attention::MAX_SPLITS);
-        assert_eq!(c.gemm_kparts_max, 1);
+        assert_eq!((c.gemm_kparts_max, c.grouped_bn_min), (1, 64));
         let many = Tuning { gemm_kparts_max: 1000, ..Tuning::default() }.clamped();
         assert_eq!(many.gemm_kparts_max, crate::ops::gemm::GEMM_KPARTS_MAX);
         assert_eq!(c.attn_prefill_splits, crate::ops::attention::MAX_SPLITS);

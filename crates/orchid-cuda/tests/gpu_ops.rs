@@ -1016,6 +1016,8 @@ fn moe_routing_and_experts() {
     let g = gpu();
     // The shared expert through GEMMs of its own instead of listed in the grouped ones.
     let own = g.with_tuning(&orchid_cuda::Tuning { shared_grouped: false, ..Default::default() }).unwrap();
+    // The experts' GEMMs without the 8-token tile (32 tokens at least).
+    let wide = g.with_tuning(&orchid_cuda::Tuning { grouped_bn_min: 32, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(6);
     // (E, k, H, I, Is, T list)
@@ -1059,6 +1061,9 @@ fn moe_routing_and_experts() {
             // bf16 rounding of its activations where that moves them across a rounding step.
             let oo = host(&own, &own.moe(&up(&own, t, h, &x), &gw, &cfg.moe).unwrap());
             report(&format!("moe shared expert grouped vs own GEMMs E={e} k={k} Is={is} T={t}"), rel_l2(&go, &oo), 1e-4);
+            // The token tile never changes a sum: the 8-token tile gives the 32-token one's bits.
+            let wo = host(&wide, &wide.moe(&up(&wide, t, h, &x), &gw, &cfg.moe).unwrap());
+            report_same(&format!("moe 8-token tiles = 32-token tiles E={e} k={k} T={t}"), &go, &wo);
         }
     }
 }

@@ -125,12 +125,15 @@ fn kparts_of_rows(c: &Ctx, row_blocks: usize, kpad: usize, t: usize) -> usize {
     gemm_kparts(row_blocks, kpad / 128, t, c.gpu.sms as usize, c.tuning.gemm_kparts_max)
 }
 
-/// Token-tile width: 32 for sparse groups (fewer than 32 tokens per expert on average: the
-/// tile's unused columns cost mma and staging work) and for dense Q4 GEMMs of at most 32 tokens
+/// Token-tile width: 8 for Q4 groups of fewer than 8 tokens per expert on average (batched
+/// decode: a smaller stage, three blocks per SM instead of two), 32 for sparse groups (fewer than
+/// 32 tokens per expert on average: the tile's unused columns cost mma and staging work) and for
+/// dense Q4 GEMMs of at most 32 tokens
 /// (the 64-token tile's second column of warps would hold no tokens), 64 for Q4 (register
 /// budget) and for short or grouped inputs, else 128.
 pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
     match grouped {
+        Some(avg) if avg < 8 && fmt == WFormat::Q4 => 8,
         Some(avg) if avg < 32 => 32,
         Some(_) => 64,
         None if fmt == WFormat::Q4 && t <= 32 => 32,
@@ -160,7 +163,7 @@ pub fn gemm_bn_dense(fmt: WFormat, t: usize, row_blocks: usize, sms: usize) -> u
 /// and bf16 BN 64 stay within 113 KB (two blocks per SM), the others within 227 KB (one block).
 pub fn gemm_stages(fmt: WFormat, bn: usize) -> usize {
     match (fmt, bn) {
-        (WFormat::Q4, 32) => 6,
+        (WFormat::Q4, 8 | 32) => 6,
         (WFormat::Q4, 64) => 4,
         (WFormat::Q4, _) => 5,
         (WFormat::Bf16, 32) => 4,
@@ -399,8 +402,8 @@ fn gemm_launch(
         None if kparts > 1 => gemm_bn(w.fmt, t, None),
         None => gemm_bn_dense(w.fmt, t, gx, c.gpu.sms as usize),
     };
-    if !matches!(bn, 32 | 64 | 128) {
-        return Err(Error::Op { op: "gemm", msg: format!("token tile {bn} (32, 64 or 128)") });
+    if !(matches!(bn, 32 | 64 | 128) || (bn == 8 && w.fmt == WFormat::Q4 && grouped.is_some())) {
+        return Err(Error::Op { op: "gemm", msg: format!("token tile {bn} (32, 64 or 128; 8 for grouped Q4)") });
     }
     if accumulate && pair {
         return Err(Error::Op { op: "gemm", msg: "a gate/up pair does not accumulate".into() });
@@ -520,10 +523,12 @@ mod tests {
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, None), 128);
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, Some(128)), 64);
         assert_eq!(gemm_bn(WFormat::Q4, 4096, Some(8)), 32);
+        assert_eq!((gemm_bn(WFormat::Q4, 512, Some(2)), gemm_bn(WFormat::Bf16, 512, Some(2))), (8, 32));
         assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
         assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn);
+        assert_eq!(smem(WFormat::Q4, 8), 68736); // 6 stages
         assert_eq!(smem(WFormat::Q4, 32), 109056); // 6 stages
         assert_eq!(smem(WFormat::Q4, 64), 108544); // 4 stages
         assert_eq!(smem(WFormat::Q4, 128), 225280); // 5 stages
@@ -536,7 +541,9 @@ mod tests {
                 assert!(gemm_stages(f, bn) >= 2);
             }
         }
-        // Two blocks per SM (228 KB, 1 KB reserved per block) where the kernels ask for it.
+        // Three blocks per SM for the 8-token tile, two where the others ask for it (228 KB,
+        // 1 KB reserved per block).
+        assert!(3 * (gemm_smem(WFormat::Q4, 8) + 1024) <= 228 * 1024);
         for (f, bn) in [(WFormat::Q4, 32), (WFormat::Q4, 64), (WFormat::Bf16, 64)] {
             assert!(2 * (gemm_smem(f, bn) + 1024) <= 228 * 1024);
         }

@@ -12,7 +12,8 @@
 //!   ATTN_PREFILL_SPLITS (1: no split-KV prefill), MOE_ROWS_MAX, GEMV_ROWS_MAX, GDN_ROWS,
 //!   GEMM_KPARTS_MAX (1: no split-K GEMMs), ROUTE_ROWS (0: batched decode without the router
 //!   fused into the experts' kernel), SHARED_GROUPED (0: the shared expert's own GEMMs in
-//!   batched decode), SPLITK_CLUSTER (0: split-K GEMMs summed by a reduction kernel)).
+//!   batched decode), SPLITK_CLUSTER (0: split-K GEMMs summed by a reduction kernel), GROUPED_BN_MIN (32: no 8-token
+//!   tiles for the experts' grouped GEMMs)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -67,6 +68,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 route_rows: tune("ROUTE_ROWS", t.route_rows as usize) != 0,
                 shared_grouped: tune("SHARED_GROUPED", t.shared_grouped as usize) != 0,
                 splitk_cluster: tune("SPLITK_CLUSTER", t.splitk_cluster as usize) != 0,
+                grouped_bn_min: tune("GROUPED_BN_MIN", t.grouped_bn_min),
             },
         }
     })
