@@ -4,13 +4,13 @@
 // activations come prepared once per call by gemm_xprep: xb bf16 [*, kpad] (x rounded, zero beyond
 // K) and xs f32 [*, kpad/64] (the sum of each 64-group of the rounded values, which folds the Q4
 // +128 offset out). A block computes a BM x BN tile (BM = 128 weight rows, BN = 32, 64 or 128
-// tokens) in k-steps of 128 with 8 warps laid out 2 (rows) x 4 (tokens), except Q4: BN 32 as
-// 8 (rows) x 1, each warp 16 rows x all the tile's tokens, so that each 4-bit fragment is
-// dequantised once per block, not by 4 token warps (instruction issue bounds these kernels); BN 64
-// as 4 x 2, each fragment dequantised by 2 warps, each warp reading half the tile's tokens (8 x 1
-// there left the shared-memory pipe, which every warp's copy of the B tile went through, the
-// limit). A Q4 warp multiplies only the n8 tiles that hold tokens of the tile (MoE tiles are
-// mostly sparse).
+// tokens; Q4 also 8, for sparse MoE groups) in k-steps of 128 with 8 warps laid out 2 (rows) x 4
+// (tokens), except Q4: BN 8 and 32 as 8 (rows) x 1, each warp 16 rows x all the tile's tokens,
+// so that each 4-bit fragment is dequantised once per block, not by 4 token warps (instruction
+// issue bounds these kernels); BN 64 as 4 x 2, each fragment dequantised by 2 warps, each warp
+// reading half the tile's tokens (8 x 1 there left the shared-memory pipe, which every warp's copy
+// of the B tile went through, the limit). A Q4 warp multiplies only the n8 tiles that hold tokens
+// of the tile (MoE tiles are mostly sparse).
 // Every output is the same sequence of mma and scale steps whatever the layout.
 //
 // Main loop: an S-stage cp.async pipeline (S per kernel: GemmCfg). A stage holds one k-step: the
