@@ -195,17 +195,28 @@ DEVI void pdl_enter() {
     pdl_launch();
 }
 
-// Thread-block clusters (Hopper and newer; the host launches a cluster only there). cluster_sync:
-// every thread of every block of the cluster arrives, and the shared-memory writes before it are
-// visible to the cluster's blocks after it (also a block barrier). dsmem_ld: a float at shared
-// address `at` (smem_u32) of the cluster's block `rank`.
-DEVI void cluster_sync() {
+// Thread-block clusters (Hopper and newer; the host launches a cluster only there).
+// cluster_arrive / cluster_wait: the two halves of the cluster barrier (every thread of every
+// block of the cluster; the shared-memory writes before the arrive are visible to the cluster's
+// blocks after the wait; also a block barrier); cluster_sync: both. cluster_rank /
+// cluster_blocks: the block's rank in its cluster and the cluster's number of blocks (volatile
+// reads: the compiler keeps no copy of blockIdx / gridDim alive across a main loop for them).
+// dsmem_ld4: the float4 at shared address `at` (smem_u32, 16-byte aligned) of cluster block
+// `rank`.
+DEVI void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 #endif
 }
-// The block's rank in its cluster and the cluster's blocks (volatile reads: the compiler keeps no
-// copy of blockIdx / gridDim alive across a kernel's main loop for them).
+DEVI void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+DEVI void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
+}
 DEVI u32 cluster_rank() {
     u32 r = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -220,16 +231,7 @@ DEVI u32 cluster_blocks() {
 #endif
     return r;
 }
-DEVI float dsmem_ld(u32 at, u32 rank) {
-    float v = 0.f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(at), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-#endif
-    return v;
-}
-DEVI float4 dsmem_ld4(u32 at, u32 rank) {  // at: 16-byte aligned
+DEVI float4 dsmem_ld4(u32 at, u32 rank) {
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     u32 remote;

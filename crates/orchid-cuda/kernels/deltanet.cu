@@ -455,14 +455,8 @@ DEVI void gdn_cp_async4(void* smem, const void* gmem) {
 DEVI void gdn_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 #if GDN_CLUSTER
-DEVI u32 gdn_cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
+// (cluster_rank, cluster_arrive and cluster_wait: common.cuh.)
 DEVI void gdn_cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
-DEVI void gdn_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-DEVI void gdn_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 // Stores v into the copy of the shared variable `local` that cluster block `rank` holds.
 DEVI void gdn_st_cluster(const void* local, u32 rank, float v) {
     u32 addr;
@@ -649,14 +643,13 @@ DEVI void gdn_decode_body(const GdnDecodeArgs& a, const GdnDecodeSmem& sm) {
     // the remote stores only.
     const int OW = (CW + 31) / 32;  // output warps (CW <= 64)
     const float ssw = warp_sum(oc * oc);
-    gdn_cluster_wait();  // paired with the arrive at kernel entry: every block has started
+    cluster_wait();  // paired with the arrive at kernel entry: every block has started
     if (lane == 0 && warp < OW) {
-        const u32 rank = gdn_cluster_rank();
+        const u32 rank = cluster_rank();
 #pragma unroll
         for (u32 t = 0; t < GDN_NS; ++t) gdn_st_cluster(&sm.ssq[rank * 2 + warp], t, ssw);
     }
-    gdn_cluster_arrive();
-    gdn_cluster_wait();  // no block touches another's shared memory after this point
+    cluster_sync();  // no block touches another's shared memory after this point
     if (tid < CW) {
         float ss = 0.f;
         for (int t = 0; t < GDN_NS; ++t)

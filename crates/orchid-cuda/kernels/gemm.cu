@@ -34,8 +34,8 @@
 // group; the launcher asks for M % 128 == 0 and ldo == M, so no padding columns exist).
 //
 // Split-K (dense GEMMs whose weight rows alone leave SMs idle, ops::gemm_kparts): grid.z = K
-// parts; block z sums its share of the k-steps from zero. With a.cluster (Hopper: each tile's K
-// parts one cluster, ops::gemm::SplitkSum) the parts' C tiles stay in shared memory and every
+// parts; block z sums its share of the k-steps from zero. In the _kc kernels (Hopper: each tile's
+// K parts one cluster, ops::gemm::splitk_in_cluster) the parts' C tiles stay in shared memory and every
 // block finishes a share of the tile's tokens, summing the parts through distributed shared
 // memory; otherwise block z writes its f32 partial sums (PAIR: gate and up apart) to part z of a
 // scratch matrix and gemm_splitk_reduce sums them. Either way the parts are added in the order 0,

@@ -79,7 +79,7 @@ pub struct Tuning {
     /// shape (`ops::gemm::AltExpert`); false: GEMMs of its own.
     pub shared_grouped: bool,
     /// Split-K GEMMs sum their K parts inside the GEMM, as thread-block clusters
-    /// (`ops::gemm::SplitkSum::Cluster`, where the GPU has them); false: a reduction kernel.
+    /// (`ops::gemm::splitk_in_cluster`, where the GPU has them); false: a reduction kernel.
     pub splitk_cluster: bool,
     /// Narrowest token tile of the experts' grouped GEMMs (8, 32 or 64; `ops::gemm::gemm_bn`
     /// picks 8 for Q4 experts averaging fewer than 8 tokens).

@@ -80,21 +80,14 @@ pub const SPLITK_MIN_KSTEPS: usize = 4;
 /// the partials (8 bytes per token and weight row and part) would cost more than they save.
 pub const SPLITK_MAX_TOKENS: usize = 128;
 
-/// How a split-K GEMM sums its K parts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SplitkSum {
-    /// In the GEMM: a tile's K parts are one thread-block cluster, each part leaves its partial
-    /// tile in its shared memory and the cluster's blocks sum them through distributed shared
-    /// memory (compute capability 9.0+, at most `SPLITK_CLUSTER_MAX` parts; the `_kc` kernels).
-    Cluster,
-    /// Partial sums to a scratch matrix, summed by a second kernel (`gemm_splitk_reduce`).
-    Kernel,
-}
-
-/// The way this GPU and tuning sum `kparts` K parts; both give the same bits (the parts in the
-/// order 0, 1, ..., then the same epilogue).
-pub fn splitk_sum(c: &Ctx, kparts: usize) -> SplitkSum {
-    if c.tuning.splitk_cluster && c.gpu.cc.0 >= 9 && kparts <= SPLITK_CLUSTER_MAX { SplitkSum::Cluster } else { SplitkSum::Kernel }
+/// Whether a split-K GEMM of `kparts` K parts sums them in the GEMM itself: the tile's parts one
+/// thread-block cluster, each leaving its partial tile in its shared memory for the cluster's
+/// blocks to sum through distributed shared memory (the `_kc` kernels; compute capability 9.0+,
+/// at most `SPLITK_CLUSTER_MAX` parts, `Tuning::splitk_cluster`). Otherwise partial sums go to a
+/// scratch matrix that `gemm_splitk_reduce` sums. Both give the same bits (the parts in the order
+/// 0, 1, ..., then the same epilogue).
+pub fn splitk_in_cluster(c: &Ctx, kparts: usize) -> bool {
+    c.tuning.splitk_cluster && c.gpu.cc.0 >= 9 && kparts <= SPLITK_CLUSTER_MAX
 }
 
 /// K parts of a dense GEMM of `row_blocks` blocks along the weight rows (128 rows, PAIR 64),
@@ -128,9 +121,8 @@ fn kparts_of_rows(c: &Ctx, row_blocks: usize, kpad: usize, t: usize) -> usize {
 /// Token-tile width: 8 for Q4 groups of fewer than 8 tokens per expert on average (batched
 /// decode: a smaller stage, three blocks per SM instead of two), 32 for sparse groups (fewer than
 /// 32 tokens per expert on average: the tile's unused columns cost mma and staging work) and for
-/// dense Q4 GEMMs of at most 32 tokens
-/// (the 64-token tile's second column of warps would hold no tokens), 64 for Q4 (register
-/// budget) and for short or grouped inputs, else 128.
+/// dense Q4 GEMMs of at most 32 tokens (the 64-token tile's second column of warps would hold no
+/// tokens), 64 for Q4 (register budget) and for short or grouped inputs, else 128.
 pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
     match grouped {
         Some(avg) if avg < 8 && fmt == WFormat::Q4 => 8,
@@ -413,7 +405,7 @@ fn gemm_launch(
     }
     // Split-K: clusters of the K parts that sum in the kernel, or the parts' partial sums
     // [kparts][t][ldp] (PAIR: gate, then up), reduced below.
-    let cluster = kparts > 1 && splitk_sum(c, kparts) == SplitkSum::Cluster;
+    let cluster = kparts > 1 && splitk_in_cluster(c, kparts);
     let ldp = m.next_multiple_of(4) * if pair { 2 } else { 1 };
     let scratch = if kparts > 1 && !cluster { Some(DevBuf::alloc(&c.gpu, kparts * t * ldp * 4)?) } else { None };
     let a = GemmArgs {
