@@ -278,13 +278,30 @@ DEVI float4 silu_times(float4 g, float4 u) {
 // (PAIR: silu(gate) · up, prepared for the next GEMM with xs_out; else stored or, with acc, added).
 // A thread takes 4 consecutive rows of a token (16-byte reads of every part's tile, all in flight
 // together): PAIR 16 threads per token (gate rows 4q .. 4q + 3 and their up rows), else 32.
+// gemm_each (the _kc kernels, a.nseg > 0): the weight of block row bx, the last segment whose
+// first block is at or before bx (constant parameter offsets, no indexed copy).
+DEVI GemmSeg gemm_seg(const GemmArgs& a, int bx) {
+    GemmSeg s = a.seg[0];
+#pragma unroll
+    for (int i = 1; i < GEMM_SEGS; ++i)
+        if (i < a.nseg && bx >= a.seg[i].rb0) s = a.seg[i];
+    return s;
+}
+
 template <int BN, bool PAIR>
 DEVI void splitk_cluster_finish(const GemmArgs& a, u32 cs) {
     constexpr int CST = BM + 4, OUTW = PAIR ? BM / 2 : BM, TPT = OUTW / 4;  // threads per token
     u32 bx, by;  // volatile reads: no copy of blockIdx stays alive across the main loop
     asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bx));
     asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(by));
-    const int start = by * BN, n = min(BN, a.T - start), m0 = bx * OUTW, mrem = min(OUTW, a.M - m0);
+    // The output: out rows [T, ldo] of M rows, or (gemm_each) the block's weight's own.
+    u64 out = a.out;
+    int ldo = a.ldo, M = a.M, bxs = bx;
+    if (!PAIR && a.nseg > 0) {
+        const GemmSeg sg = gemm_seg(a, bx);
+        out = sg.out, ldo = sg.ldo, M = sg.rows, bxs = bx - sg.rb0;
+    }
+    const int start = by * BN, n = min(BN, a.T - start), m0 = bxs * OUTW, mrem = min(OUTW, M - m0);
     const int Z = cluster_blocks(), z0 = cluster_rank(), tb = z0 * n / Z, te = (z0 + 1) * n / Z;
     const int q = threadIdx.x % TPT, r4 = 4 * q;
     // Σ over the parts of the 4 values at tile position (tk, r), in part order.
@@ -322,7 +339,7 @@ DEVI void splitk_cluster_finish(const GemmArgs& a, u32 cs) {
             continue;
         }
         if (!live) continue;
-        float* o = (float*)a.out + row * a.ldo + m0 + r4;
+        float* o = (float*)out + row * ldo + m0 + r4;
         const float w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -366,10 +383,16 @@ DEVI void gemm_body(const GemmArgs& a) {
     // Grouped: expert alt_expert (> 0) is another weight of the same shape, alt_w (PAIR: and
     // alt_w2), e.g. the shared expert listed after the routed ones.
     const bool alt = a.tiles && a.alt_expert > 0 && expert == a.alt_expert;
-    const u64 W = alt ? a.alt_w : a.w, W2 = alt ? a.alt_w2 : a.w2;
-    const u64 SB = alt ? a.alt_sb : a.sb, SB2 = alt ? a.alt_sb2 : a.sb2;
-    const int m0 = blockIdx.x * OUTW;                            // first output row (within the expert)
-    const int mrem = min(OUTW, a.M - m0);                        // output rows of this block that exist
+    u64 W = alt ? a.alt_w : a.w, W2 = alt ? a.alt_w2 : a.w2;
+    u64 SB = alt ? a.alt_sb : a.sb, SB2 = alt ? a.alt_sb2 : a.sb2;
+    int m0 = blockIdx.x * OUTW;                                  // first output row (within the expert)
+    int mrem = min(OUTW, a.M - m0);                              // output rows of this block that exist
+    if constexpr (CLUSTER && !PAIR) {
+        if (a.nseg > 0) {  // gemm_each: the block row's weight (its outputs: splitk_cluster_finish)
+            const GemmSeg sg = gemm_seg(a, blockIdx.x);
+            W = sg.w, SB = sg.sb, m0 = (blockIdx.x - sg.rb0) * OUTW, mrem = min(OUTW, sg.rows - m0);
+        }
+    }
     const i64 wrow0 = (i64)(alt ? 0 : expert) * a.rows_e + m0;  // first weight row
     // K part z of grid.z (split-K): k-steps [kt0, kt0 + nk) = [z · N / Z, (z + 1) · N / Z) of
     // the N = kpad / 128 (parts of ⌊N / Z⌋ or ⌈N / Z⌉ k-steps); one part: all of them.

@@ -271,13 +271,17 @@ impl Backend for CudaBackend {
         }
         // x normalised and rounded to bf16 in one pass, once for every GEMM (all of the same K).
         let xp = ops::gemm::gemm_x_norm(c, x.ptr(), x.cols, t, x.cols, norm.buf.ptr, eps, 0)?;
-        ws.iter()
-            .map(|w| {
-                let out = self.tensor(t, w.rows)?;
-                ops::gemm::gemm(c, w, None, &xp, 0, t, None, out.ptr(), w.rows)?;
-                Ok(out)
-            })
-            .collect()
+        let outs = ws.iter().map(|w| self.tensor(t, w.rows)).collect::<Result<Vec<_>>>()?;
+        // Neighbours of one format and K in one launch where the GEMM allows (the same bits).
+        for run in ops::gemv::gemv_groups(ws) {
+            let ptrs: Vec<u64> = run.clone().map(|i| outs[i].ptr()).collect();
+            if !ops::gemm::gemm_each(c, &ws[run.clone()], &xp, t, &ptrs)? {
+                for i in run {
+                    ops::gemm::gemm(c, ws[i], None, &xp, 0, t, None, outs[i].ptr(), ws[i].rows)?;
+                }
+            }
+        }
+        Ok(outs)
     }
 
     fn matmul_add(&self, x: &mut CudaTensor, y: &CudaTensor, w: &GpuLinear) -> Result<()> {

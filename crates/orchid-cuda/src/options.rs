@@ -84,6 +84,9 @@ pub struct Tuning {
     /// Narrowest token tile of the experts' grouped GEMMs (8, 32 or 64; `ops::gemm::gemm_bn`
     /// picks 8 for Q4 experts averaging fewer than 8 tokens).
     pub grouped_bn_min: usize,
+    /// A block's input projections that share format and K in one split-K GEMM launch
+    /// (`ops::gemm::gemm_each`, where each splits K alike); false: a launch per weight.
+    pub gemm_each: bool,
 }
 
 impl Default for Tuning {
@@ -104,6 +107,7 @@ impl Default for Tuning {
             shared_grouped: true,
             splitk_cluster: true,
             grouped_bn_min: 8,
+            gemm_each: true,
         }
     }
 }
@@ -131,6 +135,7 @@ impl Tuning {
                 9..=32 => 32,
                 _ => 64,
             },
+            gemm_each: self.gemm_each,
         }
     }
 }
@@ -159,6 +164,7 @@ mod tests {
             shared_grouped: false,
             splitk_cluster: false,
             grouped_bn_min: 100,
+            gemm_each: false,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

@@ -122,6 +122,50 @@ fn gemm_parts(
     host(g, &out)
 }
 
+/// A block's input projections in one launch (`gemm::gemm_each`): the GDN shapes scaled down
+/// (four Q4 weights of 1024, 512, 32 and 32 rows; three bf16 ones), each output bit for bit what
+/// its own split-K GEMM gives, directly and through `norm_matmuls`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_each_matches_gemm() {
+    let g = gpu();
+    let apart = g.with_tuning(&orchid_cuda::Tuning { gemm_each: false, ..Default::default() }).unwrap();
+    let c = CpuBackend::new();
+    let mut rng = Rng::new(21);
+    let k = 2048;
+    for (fmt, name, rows) in [(Fmt::Mlx, "q4", &[1024usize, 512, 32, 32][..]), (Fmt::Hf, "bf16", &[512, 256, 32][..])] {
+        let hw: Vec<_> = rows.iter().map(|&n| linear(&mut rng, n, k, fmt, 4)).collect();
+        let gw: Vec<_> = hw.iter().map(|w| g.upload_linear(w).unwrap()).collect();
+        let cw: Vec<_> = hw.iter().map(|w| c.upload_linear(w).unwrap()).collect();
+        let refs: Vec<&orchid_cuda::GpuLinear> = gw.iter().collect();
+        let nw = rng.vec(k, 1.0);
+        let (gn, cn) = (g.upload_vector(&nw).unwrap(), c.upload_vector(&nw).unwrap());
+        for &t in &[16usize, 33, 64] {
+            let tag = format!("{name} T={t}");
+            let x = rng.vec(t * k, 1.0);
+            let gx = up(&g, t, k, &x);
+            let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+            let outs: Vec<CudaTensor> = rows.iter().map(|&n| g.tensor(t, n).unwrap()).collect();
+            let ptrs: Vec<u64> = outs.iter().map(|o| o.ptr()).collect();
+            let one = gemm::gemm_each(&g.ctx, &refs, &xp, t, &ptrs).unwrap();
+            report(&format!("gemm_each takes the weights in one launch {tag}"), if one { 0.0 } else { f64::INFINITY }, 0.0);
+            for (i, w) in gw.iter().enumerate() {
+                let o = g.tensor(t, w.rows).unwrap();
+                gemm::gemm(&g.ctx, w, None, &xp, 0, t, None, o.ptr(), w.rows).unwrap();
+                report_same(&format!("gemm_each = gemm, weight {i} {tag}"), &host(&g, &outs[i]), &host(&g, &o));
+            }
+            let crefs: Vec<_> = cw.iter().collect();
+            let want = c.norm_matmuls(&CpuTensor::from_vec(t, k, x.clone()), &cn, 1e-6, &crefs).unwrap();
+            let got = g.norm_matmuls(&gx, &gn, 1e-6, &refs).unwrap();
+            let sep = apart.norm_matmuls(&gx, &gn, 1e-6, &refs).unwrap();
+            for i in 0..rows.len() {
+                report_same(&format!("norm_matmuls one launch = a launch each, weight {i} {tag}"), &host(&g, &got[i]), &host(&g, &sep[i]));
+                report(&format!("norm_matmuls weight {i} {tag}"), rel_l2(&host(&g, &got[i]), &want[i].data), 1e-2);
+            }
+        }
+    }
+}
+
 /// Split-K dense GEMMs (batched decode: 16–64 tokens) in both formats: against the CPU (strict,
 /// as `matmul_q4_and_bf16`), against the one-pass GEMM (only the summation order differs),
 /// bit-identical from run to run and between the two ways of summing the parts (clusters, and

@@ -16,6 +16,20 @@ crate::kernel_abi! {
         XP_RUNS: usize = 4;
         /// Most K parts one cluster holds (the portable cluster size).
         SPLITK_CLUSTER_MAX: usize = 8;
+        /// Most weights one `gemm_each` launch takes.
+        GEMM_SEGS: usize = 4;
+    }
+    /// One weight of a `gemm_each` launch: its weight (and Q4 scale/bias words), output rows
+    /// [t, rows] at `out` with row stride `ldo`, and its first block along grid.x.
+    #[derive(Clone, Copy, Default)]
+    struct GemmSeg {
+        w: u64,
+        sb: u64,
+        out: u64,
+        rows: i32,
+        ldo: i32,
+        rb0: i32,
+        pad: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct GemmArgs {
@@ -45,11 +59,14 @@ crate::kernel_abi! {
         /// Grouped: the expert (> 0; 0: none) whose weights are `alt_w` (PAIR: and `alt_w2`)
         /// instead of its place in `w` (`AltExpert`).
         alt_expert: i32,
-        pad0: i32,
+        /// `gemm_each` (the _kc kernels): 2..=GEMM_SEGS weights in `seg`, each its own output
+        /// (0: the weight in `w`).
+        nseg: i32,
         alt_w: u64,
         alt_sb: u64,
         alt_w2: u64,
         alt_sb2: u64,
+        seg: [GemmSeg; 4],
     }
     #[derive(Clone, Copy, Default)]
     struct SplitkArgs {
@@ -304,6 +321,55 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
     gemm_launch(c, w, None, Some(w2), x, 0, t, None, out, ldo, 0, kparts, false)
 }
 
+/// Dense `gemm`s of 2..=`GEMM_SEGS` weights of one format and K over the same prepared `x`,
+/// each into its own output [t, rows_i] at `outs[i]`, as one launch: the _kc kernel over all
+/// the weights' row blocks (a block row's weight and output from `GemmArgs::seg`). Only where
+/// each weight alone would split K into the same parts, summed in clusters: then every output
+/// gets the bits `gemm` gives it, and the step saves the launches' fill and drain (the GDN input
+/// projections: four GEMMs, two of 32 rows). Ok(false), launching nothing, otherwise (the caller
+/// runs `gemm` for each) and where `Tuning::gemm_each` is off.
+pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) -> Result<bool> {
+    let Some(w) = ws.first() else { return Ok(false) };
+    let alike = |v: &&GpuLinear| v.fmt == w.fmt && v.kpad == w.kpad && v.cols == w.cols && v.count == 1 && v.rows > 0;
+    if !c.tuning.gemm_each || !(2..=GEMM_SEGS).contains(&ws.len()) || outs.len() != ws.len() || !ws.iter().all(alike) {
+        return Ok(false);
+    }
+    if x.k != w.cols || x.kpad != w.kpad || x.rows < t || t == 0 {
+        return Ok(false);
+    }
+    let kparts = dense_kparts(c, w, false, t);
+    if kparts < 2 || !splitk_in_cluster(c, kparts) || ws.iter().any(|v| dense_kparts(c, v, false, t) != kparts) {
+        return Ok(false);
+    }
+    let mut seg = [GemmSeg::default(); GEMM_SEGS];
+    let mut rb = 0;
+    for (i, (v, &out)) in ws.iter().zip(outs).enumerate() {
+        seg[i] = GemmSeg { w: v.w_ptr(), sb: v.sb_ptr(), out, rows: v.rows as i32, ldo: v.rows as i32, rb0: rb as i32, pad: 0 };
+        rb += v.rows.div_ceil(128);
+    }
+    let bn = gemm_bn(w.fmt, t, None);
+    let a = GemmArgs {
+        w: w.w_ptr(),
+        sb: w.sb_ptr(),
+        x: x.xb(),
+        xs: x.xs(),
+        out: outs[0],
+        m: w.rows as i32,
+        rows_e: w.rows_pad as i32,
+        k: w.cols as i32,
+        kpad: w.kpad as i32,
+        ldo: w.rows as i32,
+        t: t as i32,
+        nseg: ws.len() as i32,
+        seg,
+        ..Default::default()
+    };
+    let name = format!("gemm_{}_n{bn}_kc", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" });
+    let grid = (rb as u32, t.div_ceil(bn) as u32, kparts as u32);
+    c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
+    Ok(true)
+}
+
 /// The gate/up `gemm` pair (silu(gate) ⊙ up) written prepared for the GEMM that reads it (the
 /// down projection): the bits `gemm` then `gemm_x` give, without the f32 rows and the extra pass.
 /// Written by the GEMM (or its split-K reduction) where the rows are whole 128-row blocks; other
@@ -429,11 +495,12 @@ fn gemm_launch(
         acc: (accumulate && scratch.is_none()) as i32,
         m1: concat.map_or(0, |_| w.rows as i32),
         alt_expert: alt.map_or(0, |x| x.expert as i32),
-        pad0: 0,
+        nseg: 0,
         alt_w: alt.map_or(0, |x| x.w),
         alt_sb: alt.map_or(0, |x| x.sb),
         alt_w2: alt.map_or(0, |x| x.w2),
         alt_sb2: alt.map_or(0, |x| x.sb2),
+        seg: Default::default(),
     };
     // The _kc kernels: split-K as clusters of the K parts, summed in the kernel's epilogue, which
     // writes `out` as one pass would.
@@ -506,7 +573,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 160);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 160 + 4 * 40);
     }
 
     #[test]

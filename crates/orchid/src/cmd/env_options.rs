@@ -13,7 +13,7 @@
 //!   GEMM_KPARTS_MAX (1: no split-K GEMMs), ROUTE_ROWS (0: batched decode without the router
 //!   fused into the experts' kernel), SHARED_GROUPED (0: the shared expert's own GEMMs in
 //!   batched decode), SPLITK_CLUSTER (0: split-K GEMMs summed by a reduction kernel), GROUPED_BN_MIN (32: no 8-token
-//!   tiles for the experts' grouped GEMMs)).
+//!   tiles for the experts' grouped GEMMs), GEMM_EACH (0: a GEMM launch per input projection)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
 //!   its first step.
@@ -69,6 +69,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 shared_grouped: tune("SHARED_GROUPED", t.shared_grouped as usize) != 0,
                 splitk_cluster: tune("SPLITK_CLUSTER", t.splitk_cluster as usize) != 0,
                 grouped_bn_min: tune("GROUPED_BN_MIN", t.grouped_bn_min),
+                gemm_each: tune("GEMM_EACH", t.gemm_each as usize) != 0,
             },
         }
     })
