@@ -41,6 +41,9 @@
 // scratch matrix and gemm_splitk_reduce sums them. Either way the parts are added in the order 0,
 // 1, ... (no atomics: bit-identical runs, and the same bits both ways), then the outputs written
 // or added onto out. The Q4 group-sum term is per 64-group, so it splits with the k-steps.
+// gemm_each (_kc kernels, not PAIR, a.nseg > 0): up to GEMM_SEGS weights of one format and K in
+// one launch, grid.x over all their row blocks; a block row takes its weight, output [T, ldo]
+// and row count from a.seg (gemm_seg), and computes what that weight's own launch would.
 
 #define BM 128
 #define BK 128
