@@ -66,7 +66,7 @@ crate::kernel_abi! {
         alt_sb: u64,
         alt_w2: u64,
         alt_sb2: u64,
-        seg: [GemmSeg; 4],
+        seg: [GemmSeg; GEMM_SEGS],
     }
     #[derive(Clone, Copy, Default)]
     struct SplitkArgs {
@@ -321,6 +321,18 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
     gemm_launch(c, w, None, Some(w2), x, 0, t, None, out, ldo, 0, kparts, false)
 }
 
+/// The GEMM kernel of a format, gate/up pair or not, token tile and split-K form (`cluster`: the
+/// _kc kernels, whose K parts are summed in the kernel's epilogue, which writes `out` as one pass
+/// would).
+fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool) -> String {
+    format!(
+        "gemm_{}{}_n{bn}{}",
+        if fmt == WFormat::Q4 { "q4" } else { "bf16" },
+        if pair { "_pair" } else { "" },
+        if cluster { "_kc" } else { "" }
+    )
+}
+
 /// Dense `gemm`s of 2..=`GEMM_SEGS` weights of one format and K over the same prepared `x`,
 /// each into its own output [t, rows_i] at `outs[i]`, as one launch: the _kc kernel over all
 /// the weights' row blocks (a block row's weight and output from `GemmArgs::seg`). Only where
@@ -364,7 +376,7 @@ pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) 
         seg,
         ..Default::default()
     };
-    let name = format!("gemm_{}_n{bn}_kc", if w.fmt == WFormat::Q4 { "q4" } else { "bf16" });
+    let name = gemm_kernel(w.fmt, false, bn, true);
     let grid = (rb as u32, t.div_ceil(bn) as u32, kparts as u32);
     c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
     Ok(true)
@@ -502,14 +514,7 @@ fn gemm_launch(
         alt_sb2: alt.map_or(0, |x| x.sb2),
         seg: Default::default(),
     };
-    // The _kc kernels: split-K as clusters of the K parts, summed in the kernel's epilogue, which
-    // writes `out` as one pass would.
-    let name = format!(
-        "gemm_{}{}_n{bn}{}",
-        if w.fmt == WFormat::Q4 { "q4" } else { "bf16" },
-        if pair { "_pair" } else { "" },
-        if cluster { "_kc" } else { "" }
-    );
+    let name = gemm_kernel(w.fmt, pair, bn, cluster);
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     let grid = (gx as u32, gy as u32, kparts as u32);
     let smem = gemm_smem(w.fmt, bn) as u32;
@@ -573,7 +578,8 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 160 + 4 * 40);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 160 + GEMM_SEGS * 40);
+        assert!(gemm_abi().contains("GemmSeg seg[4];"));
     }
 
     #[test]
@@ -585,6 +591,8 @@ mod tests {
         assert_eq!((gemm_bn(WFormat::Q4, 512, Some(2)), gemm_bn(WFormat::Bf16, 512, Some(2))), (8, 32));
         assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
         assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true), "gemm_q4_pair_n32_kc");
+        assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false), "gemm_bf16_n128");
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn);
         assert_eq!(smem(WFormat::Q4, 8), 68736); // 6 stages
