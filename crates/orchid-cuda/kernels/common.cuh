@@ -152,6 +152,11 @@ DEVI void cp_async8(void* smem, const void* gmem, bool pred) {
     int n = pred ? 8 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
 }
+// 4-byte async copy global -> shared (through L1); zero-fills when !pred.
+DEVI void cp_async4(void* smem, const void* gmem, bool pred) {
+    int n = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
+}
 DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 DEVI void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -52,22 +52,29 @@
 
 // Per-kernel sizes. Keep STAGES in step with gemm_stages in ops/gemm.rs.
 // BN 32/64 (Q4) and BN 64 (BF16) stay within 113 KB so that two blocks share an SM.
-template <int FMT, int BN>
+// WG (the Q4 64-token _wg kernels): the token rows unpadded and swizzled at the stage's start,
+// each stage 1024-byte aligned (the swizzle's period), plus 1 KB to align the first.
+template <int FMT, int BN, bool WG = false>
 struct GemmCfg {
     static constexpr int A_BYTES = FMT == FMT_Q4 ? BM * 64 + BM * 8 : BM * AB_STRIDE * 2;
-    static constexpr int B_BYTES = BN * BS_STRIDE * 2;
-    static constexpr int STAGE = A_BYTES + B_BYTES + BN * 2 * 4;
+    static constexpr int B_BYTES = WG ? BN * BK * 2 : BN * BS_STRIDE * 2;
+    // Offsets in a stage: weights, token rows, group sums.
+    static constexpr int A_OFF = WG ? B_BYTES : 0;
+    static constexpr int B_OFF = WG ? 0 : A_BYTES;
+    static constexpr int X_OFF = A_BYTES + B_BYTES;
+    static constexpr int STAGE = WG ? (A_BYTES + B_BYTES + BN * 2 * 4 + 1023) / 1024 * 1024 : A_BYTES + B_BYTES + BN * 2 * 4;
     static constexpr int STAGES = FMT == FMT_Q4 ? (BN <= 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
     // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32: 8 x 1,
     // each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised once
-    // per block; Q4 BN 64: 4 x 2 (each fragment twice, half the B-tile reads per warp); the
-    // others 2 x 4.
-    static constexpr int WN = FMT == FMT_Q4 ? (BN <= 32 ? 1 : BN == 64 ? 2 : 4) : 4;
+    // per block; Q4 BN 64: 4 x 2 (each fragment twice, half the B-tile reads per warp; WG: 8 x
+    // 1, the tensor cores read the B tile); the others 2 x 4.
+    static constexpr int WN = WG ? 1 : FMT == FMT_Q4 ? (BN <= 32 ? 1 : BN == 64 ? 2 : 4) : 4;
     // Q4: a warp reads its k-step's A words, scale words and group sums once (16-byte reads)
     // where the registers allow (BN 32), else per 64-group.
     static constexpr bool Q4_ONCE = BN <= 32;
     static constexpr int EPI = BN * (BM + 4) * 4;  // epilogue C tile
-    static constexpr int SMEM = STAGES * STAGE > EPI ? STAGES * STAGE : EPI;
+    static constexpr int MAIN = STAGES * STAGE + (WG ? 1024 : 0);
+    static constexpr int SMEM = MAIN > EPI ? MAIN : EPI;
 };
 static_assert(GemmCfg<FMT_Q4, 8>::SMEM == 68736, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_Q4, 32>::SMEM == 109056, "ops::gemm_smem");
@@ -76,6 +83,7 @@ static_assert(GemmCfg<FMT_Q4, 128>::SMEM == 225280, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 32>::SMEM == 175104, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 64>::SMEM == 105472, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
+static_assert(GemmCfg<FMT_Q4, 64, true>::SMEM == 107520, "ops::gemm_smem");
 
 // x f32 [rows, ldx] -> xb bf16 [rows, kpad] (zero for k >= K) and xs f32 [rows, kpad/64], the sum
 // of each 64-group's rounded values (4-element sums, then a 16-lane shuffle tree: the order of the
@@ -268,6 +276,133 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, in
     }
 }
 
+// ---- The Q4 64-token tile on Hopper's warpgroup MMA (the _wg kernels, sm_90a) ----
+// The 8 warps are two warpgroups of 64 tile rows; warp w holds rows 16w .. 16w + 15 and every
+// token, its 4-bit fragments dequantised in registers exactly as q4_kstep does (the register A
+// operand of wgmma has mma.m16n8k16's layout per warp, the accumulator its C layout per n8
+// tile). The token rows come from shared memory through a matrix descriptor: per k-step two
+// 64-column halves, each [BN tokens][128 bytes] with the 128-byte swizzle (16-byte chunk c of
+// token row r stored at chunk c ^ (r & 7)), 1024-byte aligned. One wgmma multiplies 64 rows by
+// up to 64 tokens over k16, so the B fragments never pass through registers and a warp issues
+// one instruction where mma.sync took eight. Per 64-group: four wgmma (the first starts the
+// group's sum from zero), wait, then the same scale step as q4_kstep.
+DEVI void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+DEVI void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+DEVI void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// The cp.async writes of a stage (generic proxy) made visible to wgmma's reads (async proxy).
+DEVI void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the accumulator registers where wgmma left them (no copy while the MMA runs).
+template <int R>
+DEVI void wg_pin(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Descriptor of a K-major bf16 operand with the 128-byte swizzle: start address (16-byte units),
+// leading offset 1 (unused), 8-row groups 1024 bytes apart, swizzle mode 1.
+DEVI u64 wg_desc(u32 addr) { return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62); }
+template <bool ACC>
+DEVI void wgmma_n16(float (&d)[8], const u32 (&a)[4], u64 desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (ACC)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 0, 1, 1, 0;\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+#else
+    __trap();
+#endif
+}
+template <bool ACC>
+DEVI void wgmma_n32(float (&d)[16], const u32 (&a)[4], u64 desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (ACC)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 0, 1, 1, 0;\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+#else
+    __trap();
+#endif
+}
+template <bool ACC>
+DEVI void wgmma_n64(float (&d)[32], const u32 (&a)[4], u64 desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (ACC)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 0, 1, 1, 0;\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+#else
+    __trap();
+#endif
+}
+// d = a · b (ACC false: the first k16 slice of a group) or d += a · b, 64 rows by NL tokens.
+template <int NL, bool ACC>
+DEVI void wgmma_q4(float (&d)[NL / 2], const u32 (&a)[4], u64 desc) {
+    if constexpr (NL == 16) wgmma_n16<ACC>(d, a, desc);
+    else if constexpr (NL == 32) wgmma_n32<ACC>(d, a, desc);
+    else wgmma_n64<ACC>(d, a, desc);
+}
+
+// One Q4 k-step of a warp of the _wg kernels: tot[0][n] += the products of tile rows row0 + g,
+// row0 + g + 8 and tokens 8n + 2 t4 (+ 1), for the first NL tokens of the tile (NL 16, 32 or 64:
+// the wgmma width; the other n8 tiles are left alone). As: weight words then scale/bias words
+// (q4_kstep's layout), Bs: the swizzled token rows, Xs: group sums [group][BN tokens] f32.
+template <int BN, int NL>
+DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int row0, int lane) {
+    constexpr int NT = NL / 8;
+    const int g = lane >> 2, t4 = lane & 3;
+    const u32 a_at = As + (row0 + g) * 64 + t4 * 16, s_at = As + BM * 64 + (row0 + g) * 8, x_at = Xs + 8 * t4;
+    const uint4 A0 = lds128_at(a_at), A1 = lds128_at(a_at + 512);
+    const uint2 SB0 = lds64_at(s_at), SB1 = lds64_at(s_at + 64);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float acc[NL / 2];
+        u32 a[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int p0 = 2 * (s & 1), wi = 2 * j + (s >> 1);
+            const u32 wa = word4(A0, wi), wb = word4(A1, wi);
+            a[s][0] = q4_pair(wa, p0), a[s][1] = q4_pair(wb, p0), a[s][2] = q4_pair(wa, p0 + 1), a[s][3] = q4_pair(wb, p0 + 1);
+        }
+        wg_fence();
+        const u32 b = Bs + j * BN * 128;  // the group's 64 columns: k16 slice s at + 32 s
+        wgmma_q4<NL, false>(acc, a[0], wg_desc(b));
+#pragma unroll
+        for (int s = 1; s < 4; ++s) wgmma_q4<NL, true>(acc, a[s], wg_desc(b + s * 32));
+        wg_commit();
+        wg_wait_all();
+        wg_pin(acc);
+        const u32 sv0 = j ? SB0.y : SB0.x, sv1 = j ? SB1.y : SB1.x;
+        const float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
+        const float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const uint2 xv = lds64_at(x_at + j * BN * 4 + n * 32);
+            const float xa = __uint_as_float(xv.x), xb = __uint_as_float(xv.y);
+            tot[0][n][0] = __fmaf_rn(s0, acc[4 * n + 0], __fmaf_rn(c0, xa, tot[0][n][0]));
+            tot[0][n][1] = __fmaf_rn(s0, acc[4 * n + 1], __fmaf_rn(c0, xb, tot[0][n][1]));
+            tot[0][n][2] = __fmaf_rn(s1, acc[4 * n + 2], __fmaf_rn(c1, xa, tot[0][n][2]));
+            tot[0][n][3] = __fmaf_rn(s1, acc[4 * n + 3], __fmaf_rn(c1, xb, tot[0][n][3]));
+        }
+    }
+}
+
 // silu(g) · u, as every GEMM epilogue and split-K reduction forms it.
 DEVI float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
 DEVI float4 silu_times(float4 g, float4 u) {
@@ -350,10 +485,10 @@ DEVI void splitk_cluster_finish(const GemmArgs& a, u32 cs) {
     }
 }
 
-template <int FMT, int BN, bool PAIR, bool CLUSTER>
+template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false>
 DEVI void gemm_body(const GemmArgs& a) {
     pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
-    using Cfg = GemmCfg<FMT, BN>;
+    using Cfg = GemmCfg<FMT, BN, WG>;
     constexpr int WN = Cfg::WN;                 // warps along the tokens
     constexpr int WM = 8 / WN;                  // warps along the rows
     constexpr int MT = BM / 16 / WM;            // m16 tiles per warp
@@ -366,6 +501,8 @@ DEVI void gemm_body(const GemmArgs& a) {
                                                 // BN 8: threads 0..127 only)
     constexpr int OUTW = PAIR ? BM / 2 : BM;    // output rows per block
     extern __shared__ __align__(16) unsigned char smem[];
+    // The stages (WG: from the first 1024-byte boundary).
+    unsigned char* const stages = WG ? smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) : smem;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int wm = warp / WN, wn = warp % WN;
@@ -445,8 +582,15 @@ DEVI void gemm_body(const GemmArgs& a) {
         const i64 row = b_ok(i) ? (x_rows ? x_rows[start + tk] : start + tk) : 0;
         srcB[i] = (const unsigned char*)a.x + row * a.kpad * 2 + (threadIdx.x & 15) * 16;
     }
+    // Group sums: thread tid < BN copies token tid's two (WG: tid < 2 BN, token tid / 2's group
+    // tid % 2, stored [group][token]).
+    const int xtk = (int)threadIdx.x >> 1;
     const unsigned char* srcX = (const unsigned char*)a.xs;
-    if ((int)threadIdx.x < BN && x_ok()) srcX += (i64)(x_rows ? x_rows[start + threadIdx.x] : start + threadIdx.x) * (a.kpad / 16);
+    if constexpr (WG) {
+        if (xtk < BN && xtk < count) srcX += (i64)(x_rows ? x_rows[start + xtk] : start + xtk) * (a.kpad / 16) + (threadIdx.x & 1) * 4;
+    } else if ((int)threadIdx.x < BN && x_ok()) {
+        srcX += (i64)(x_rows ? x_rows[start + threadIdx.x] : start + threadIdx.x) * (a.kpad / 16);
+    }
     // Sources at the part's first k-step (k-step kt below is kt0 + kt).
     if (kt0 > 0) {
 #pragma unroll
@@ -459,19 +603,32 @@ DEVI void gemm_body(const GemmArgs& a) {
 
     // ---- one k-step into stage st: weights, token rows, group sums (this thread's share) ----
     auto load_stage = [&](int kt, int st) {
-        unsigned char* As = smem + st * STAGE;
+        unsigned char* As = stages + st * STAGE + Cfg::A_OFF;
 #pragma unroll
         for (int i = 0; i < QA; ++i) {
             const int off = FMT == FMT_Q4 ? a_row(i) * 64 + (threadIdx.x & 3) * 16 : a_row(i) * AB_STRIDE * 2 + (threadIdx.x & 15) * 16;
             cp_async16(As + off, srcA[i] + kt * A_STEP, a_ok(i));
         }
         if (FMT == FMT_Q4 && threadIdx.x < BM) cp_async8(As + BM * 64 + threadIdx.x * 8, srcS + kt * Q4_SB_UNIT, s_ok());
-        unsigned char* Bs = As + A_BYTES;
+        if constexpr (WG) {
+            // Token row tr's 16-byte chunk ch: in half ch / 8, at chunk (ch % 8) ^ (tr % 8).
+            unsigned char* Bs = stages + st * STAGE + Cfg::B_OFF;
+            const int ch = threadIdx.x & 15;
 #pragma unroll
-        for (int i = 0; i < BR; ++i)
-            if (BN >= 16 || (int)(threadIdx.x >> 4) < BN)
-                cp_async16(Bs + ((threadIdx.x >> 4) + 16 * i) * BS_STRIDE * 2 + (threadIdx.x & 15) * 16, srcB[i] + kt * 256, b_ok(i));
-        if ((int)threadIdx.x < BN) cp_async8(Bs + B_BYTES + threadIdx.x * 8, srcX + kt * 8, x_ok());
+            for (int i = 0; i < BR; ++i) {
+                const int tr = (threadIdx.x >> 4) + 16 * i;
+                cp_async16(Bs + (ch >> 3) * (BN * 128) + tr * 128 + (((ch & 7) ^ (tr & 7)) << 4), srcB[i] + kt * 256, b_ok(i));
+            }
+            unsigned char* Xs = stages + st * STAGE + Cfg::X_OFF;
+            if (xtk < BN) cp_async4(Xs + (threadIdx.x & 1) * (BN * 4) + xtk * 4, srcX + kt * 8, xtk < count);
+        } else {
+            unsigned char* Bs = As + A_BYTES;
+#pragma unroll
+            for (int i = 0; i < BR; ++i)
+                if (BN >= 16 || (int)(threadIdx.x >> 4) < BN)
+                    cp_async16(Bs + ((threadIdx.x >> 4) + 16 * i) * BS_STRIDE * 2 + (threadIdx.x & 15) * 16, srcB[i] + kt * 256, b_ok(i));
+            if ((int)threadIdx.x < BN) cp_async8(Bs + B_BYTES + threadIdx.x * 8, srcX + kt * 8, x_ok());
+        }
     };
 
     float tot[MT][NT][4];
@@ -494,19 +651,25 @@ DEVI void gemm_body(const GemmArgs& a) {
     for (int kt = 0; kt < nk; ++kt) {
         // Groups committed so far: S - 1 + kt; at most S - 2 pending means k-step kt has landed.
         cp_async_wait<S - 2>();
+        if constexpr (WG) fence_proxy_async();  // this thread's copies, for the tensor cores' reads
         // Everyone's copies of k-step kt are visible, and everyone is done computing k-step
         // kt - 1, whose stage (ld) is refilled next.
         __syncthreads();
         if (kt + S - 1 < nk) load_stage(kt + S - 1, ld);
         cp_async_commit();
 
-        unsigned char* As = smem + st * STAGE;
-        unsigned char* Bs = As + A_BYTES;
+        unsigned char* As = stages + st * STAGE + Cfg::A_OFF;
+        unsigned char* Bs = stages + st * STAGE + Cfg::B_OFF;
         const __nv_bfloat16* Bh = (const __nv_bfloat16*)Bs;
 
         if constexpr (FMT == FMT_Q4) {
-            const u32 as = smem_u32(As), bs = as + A_BYTES, xs = bs + B_BYTES;
-            if constexpr (NT == 1) {
+            const u32 as = smem_u32(As), bs = WG ? smem_u32(Bs) : as + A_BYTES, xs = WG ? smem_u32(stages + st * STAGE) + Cfg::X_OFF : bs + B_BYTES;
+            if constexpr (WG) {
+                // The tile's tokens in the narrowest wgmma width that holds them (block-uniform).
+                if (count > 32) q4_kstep_wg<BN, 64>(tot, as, bs, xs, row0, lane);
+                else if (count > 16) q4_kstep_wg<BN, 32>(tot, as, bs, xs, row0, lane);
+                else q4_kstep_wg<BN, 16>(tot, as, bs, xs, row0, lane);
+            } else if constexpr (NT == 1) {
                 if (count - nbase > 0) q4_kstep<MT, 1, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
             } else if constexpr (WN == 1 || WN == 2) {
                 // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all of the warp's):
@@ -619,6 +782,9 @@ DEVI void gemm_body(const GemmArgs& a) {
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, false>(a); }
 #define GEMM_KERNEL_KC(name, FMT, BN, PAIR, MINB) \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT, BN, PAIR, true>(a); }
+// The Q4 64-token tile on warpgroup MMA (sm_90a; the host picks them only there).
+#define GEMM_KERNEL_WG(name, BN, PAIR, CLUSTER) \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(const GemmArgs a) { gemm_body<FMT_Q4, BN, PAIR, CLUSTER, true>(a); }
 GEMM_KERNEL(gemm_q4_n8, FMT_Q4, 8, false, 3)
 GEMM_KERNEL(gemm_q4_pair_n8, FMT_Q4, 8, true, 3)
 GEMM_KERNEL(gemm_q4_n32, FMT_Q4, 32, false, 2)
@@ -641,6 +807,10 @@ GEMM_KERNEL_KC(gemm_bf16_n64_kc, FMT_BF16, 64, false, 2)
 GEMM_KERNEL_KC(gemm_bf16_pair_n64_kc, FMT_BF16, 64, true, 2)
 GEMM_KERNEL_KC(gemm_bf16_n128_kc, FMT_BF16, 128, false, 1)
 GEMM_KERNEL_KC(gemm_bf16_pair_n128_kc, FMT_BF16, 128, true, 1)
+GEMM_KERNEL_WG(gemm_q4_n64_wg, 64, false, false)
+GEMM_KERNEL_WG(gemm_q4_pair_n64_wg, 64, true, false)
+GEMM_KERNEL_WG(gemm_q4_n64_kc_wg, 64, false, true)
+GEMM_KERNEL_WG(gemm_q4_pair_n64_kc_wg, 64, true, true)
 
 // Split-K reduction: out[n, m] = Σ_z part[z][n][m] for m < M, summed in the order z = 0, 1, ...,
 // kparts − 1 (so every run gives the same bits), then out[n, m] + that sum where acc (a residual

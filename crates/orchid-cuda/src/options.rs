@@ -87,6 +87,9 @@ pub struct Tuning {
     /// A block's input projections that share format and K in one split-K GEMM launch
     /// (`ops::gemm::gemm_each`, where each splits K alike); false: a launch per weight.
     pub gemm_each: bool,
+    /// The Q4 GEMMs of 64-token tiles on Hopper's warpgroup MMA (`ops::gemm::gemm_wgmma`, the
+    /// `_wg` kernels, compute capability 9.0); false: the mma.sync kernels.
+    pub gemm_wgmma: bool,
 }
 
 impl Default for Tuning {
@@ -108,6 +111,7 @@ impl Default for Tuning {
             splitk_cluster: true,
             grouped_bn_min: 8,
             gemm_each: true,
+            gemm_wgmma: true,
         }
     }
 }
@@ -136,6 +140,7 @@ impl Tuning {
                 _ => 64,
             },
             gemm_each: self.gemm_each,
+            gemm_wgmma: self.gemm_wgmma,
         }
     }
 }
@@ -165,6 +170,7 @@ mod tests {
             splitk_cluster: false,
             grouped_bn_min: 100,
             gemm_each: false,
+            gemm_wgmma: false,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

@@ -445,6 +445,47 @@ fn gemm_pair_x_equals_pair_then_prep() {
     }
 }
 
+/// The Q4 64-token tiles on warpgroup MMA (`gemm::gemm_wgmma`, the `_wg` kernels) against the
+/// mma.sync kernels: one pass, split-K summed in clusters, and the gate/up pair written prepared,
+/// at token counts whose last tile takes each wgmma width (16, 32 and 64 tokens), and grouped
+/// (a whole MoE block through the backend). The same sums in the same order: the same bits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_wgmma_matches_mma_sync() {
+    let g = gpu();
+    if !gemm::gemm_wgmma(&g.ctx, orchid_cuda::weights::WFormat::Q4, 64) {
+        println!("no warpgroup MMA on this GPU: nothing to compare");
+        return;
+    }
+    let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..Default::default() }).unwrap();
+    let mut rng = Rng::new(37);
+    let bytes = |xp: &GemmX| {
+        let mut v = vec![0u8; xp.buf.bytes];
+        xp.buf.download(0, &mut v).unwrap();
+        v
+    };
+    for &(k, n) in &[(2048usize, 1024usize), (512, 2048), (1024, 640)] {
+        let (wg, wu) = (linear(&mut rng, n, k, Fmt::Mlx, 4), linear(&mut rng, n, k, Fmt::Mlx, 4));
+        let (gg, gu) = (g.upload_linear(&wg).unwrap(), g.upload_linear(&wu).unwrap());
+        for &t in &[33usize, 64, 80, 90, 104, 300] {
+            let tag = format!("T={t} K={k} N={n}");
+            let x = rng.vec(t * k, 1.0);
+            let gx = up(&g, t, k, &x);
+            let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+            for parts in [1, 4] {
+                let a = gemm_parts(&g, &gg, None, &xp, t, parts);
+                let b = gemm_parts(&mma, &gg, None, &xp, t, parts);
+                report(&format!("wgmma vs mma.sync, {parts} K parts {tag}"), rel_l2(&a, &b), 1e-6);
+                report_same(&format!("wgmma = mma.sync, {parts} K parts {tag}"), &a, &b);
+            }
+            let fused = gemm::gemm_pair_x(&g.ctx, &gg, &gu, &xp, 0, t, None).unwrap();
+            let plain = gemm::gemm_pair_x(&mma.ctx, &gg, &gu, &xp, 0, t, None).unwrap();
+            let same = bytes(&fused) == bytes(&plain);
+            report(&format!("wgmma = mma.sync, gate/up pair prepared {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
+        }
+    }
+}
+
 /// Random q/k/v, z, b and a of `t` tokens for a GDN layer, on the CPU and on the GPU.
 fn gdn_step_inputs(g: &CudaBackend, rng: &mut Rng, t: usize, cdim: usize, vdim: usize, hv: usize) -> ([CpuTensor; 4], [CudaTensor; 4]) {
     let (qkv, z, b, a) = (rng.vec(t * cdim, 1.0), rng.vec(t * vdim, 2.0), rng.vec(t * hv, 2.0), rng.vec(t * hv, 2.0));

@@ -182,14 +182,27 @@ pub fn gemm_stages(fmt: WFormat, bn: usize) -> usize {
 }
 
 /// Dynamic shared memory of a GEMM kernel: its stages (weights, token rows, group sums per
-/// k-step), or the epilogue's C tile if larger (kernels/gemm.cu `GemmCfg::SMEM`).
-pub fn gemm_smem(fmt: WFormat, bn: usize) -> usize {
+/// k-step), or the epilogue's C tile if larger (kernels/gemm.cu `GemmCfg::SMEM`). `wg` (the
+/// `_wg` kernels): unpadded token rows, stages of whole KB and 1 KB to align the first.
+pub fn gemm_smem(fmt: WFormat, bn: usize, wg: bool) -> usize {
     let a = match fmt {
         WFormat::Q4 => 128 * 64 + 128 * 8,
         WFormat::Bf16 => 128 * 136 * 2,
     };
-    let stage = a + bn * 136 * 2 + bn * 2 * 4;
-    (gemm_stages(fmt, bn) * stage).max(bn * (128 + 4) * 4)
+    let main = if wg {
+        gemm_stages(fmt, bn) * (a + bn * 256 + bn * 2 * 4).next_multiple_of(1024) + 1024
+    } else {
+        gemm_stages(fmt, bn) * (a + bn * 136 * 2 + bn * 2 * 4)
+    };
+    main.max(bn * (128 + 4) * 4)
+}
+
+/// Whether a GEMM of this format and token tile runs on the warpgroup-MMA kernels (`_wg`): Q4
+/// 64-token tiles on compute capability 9.0 (sm_90a's wgmma), unless `Tuning::gemm_wgmma` is off.
+/// Each output is the same sum of the same mma and scale steps in the same order as in the
+/// mma.sync kernels (kernels/gemm.cu, "warpgroup MMA").
+pub fn gemm_wgmma(c: &Ctx, fmt: WFormat, bn: usize) -> bool {
+    c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && bn == 64
 }
 
 /// Grouped tiles: (tile table, device count, upper bound of tiles, the table's tile width), and
@@ -321,15 +334,16 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
     gemm_launch(c, w, None, Some(w2), x, 0, t, None, out, ldo, 0, kparts, false)
 }
 
-/// The GEMM kernel of a format, gate/up pair or not, token tile and split-K form (`cluster`: the
+/// The GEMM kernel of a format, gate/up pair or not, token tile, split-K form (`cluster`: the
 /// _kc kernels, whose K parts are summed in the kernel's epilogue, which writes `out` as one pass
-/// would).
-fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool) -> String {
+/// would) and tensor-core instruction (`wg`: warpgroup MMA, `gemm_wgmma`).
+fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool, wg: bool) -> String {
     format!(
-        "gemm_{}{}_n{bn}{}",
+        "gemm_{}{}_n{bn}{}{}",
         if fmt == WFormat::Q4 { "q4" } else { "bf16" },
         if pair { "_pair" } else { "" },
-        if cluster { "_kc" } else { "" }
+        if cluster { "_kc" } else { "" },
+        if wg { "_wg" } else { "" }
     )
 }
 
@@ -376,9 +390,10 @@ pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) 
         seg,
         ..Default::default()
     };
-    let name = gemm_kernel(w.fmt, false, bn, true);
+    let wg = gemm_wgmma(c, w.fmt, bn);
+    let name = gemm_kernel(w.fmt, false, bn, true, wg);
     let grid = (rb as u32, t.div_ceil(bn) as u32, kparts as u32);
-    c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, gemm_smem(w.fmt, bn) as u32, &a)?;
+    c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, gemm_smem(w.fmt, bn, wg) as u32, &a)?;
     Ok(true)
 }
 
@@ -514,10 +529,11 @@ fn gemm_launch(
         alt_sb2: alt.map_or(0, |x| x.sb2),
         seg: Default::default(),
     };
-    let name = gemm_kernel(w.fmt, pair, bn, cluster);
+    let wg = gemm_wgmma(c, w.fmt, bn);
+    let name = gemm_kernel(w.fmt, pair, bn, cluster, wg);
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     let grid = (gx as u32, gy as u32, kparts as u32);
-    let smem = gemm_smem(w.fmt, bn) as u32;
+    let smem = gemm_smem(w.fmt, bn, wg) as u32;
     if cluster {
         return c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, smem, &a);
     }
@@ -591,10 +607,12 @@ mod tests {
         assert_eq!((gemm_bn(WFormat::Q4, 512, Some(2)), gemm_bn(WFormat::Bf16, 512, Some(2))), (8, 32));
         assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
         assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
-        assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true), "gemm_q4_pair_n32_kc");
-        assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false), "gemm_bf16_n128");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true, false), "gemm_q4_pair_n32_kc");
+        assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, false), "gemm_bf16_n128");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, true), "gemm_q4_pair_n64_kc_wg");
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
-        let smem = |f, bn| gemm_smem(f, bn);
+        let smem = |f, bn| gemm_smem(f, bn, false);
+        assert_eq!(gemm_smem(WFormat::Q4, 64, true), 107520); // 4 stages of 26 KB + 1 KB
         assert_eq!(smem(WFormat::Q4, 8), 68736); // 6 stages
         assert_eq!(smem(WFormat::Q4, 32), 109056); // 6 stages
         assert_eq!(smem(WFormat::Q4, 64), 108544); // 4 stages
@@ -604,15 +622,15 @@ mod tests {
         assert_eq!(smem(WFormat::Bf16, 128), 211968); // 3 stages
         for f in [WFormat::Q4, WFormat::Bf16] {
             for bn in [32, 64, 128] {
-                assert!(gemm_smem(f, bn) <= 227 * 1024);
+                assert!(gemm_smem(f, bn, false) <= 227 * 1024);
                 assert!(gemm_stages(f, bn) >= 2);
             }
         }
         // Three blocks per SM for the 8-token tile, two where the others ask for it (228 KB,
         // 1 KB reserved per block).
-        assert!(3 * (gemm_smem(WFormat::Q4, 8) + 1024) <= 228 * 1024);
-        for (f, bn) in [(WFormat::Q4, 32), (WFormat::Q4, 64), (WFormat::Bf16, 64)] {
-            assert!(2 * (gemm_smem(f, bn) + 1024) <= 228 * 1024);
+        assert!(3 * (gemm_smem(WFormat::Q4, 8, false) + 1024) <= 228 * 1024);
+        for (f, bn, wg) in [(WFormat::Q4, 32, false), (WFormat::Q4, 64, false), (WFormat::Q4, 64, true), (WFormat::Bf16, 64, false)] {
+            assert!(2 * (gemm_smem(f, bn, wg) + 1024) <= 228 * 1024);
         }
         // Dense tiles on 132 SMs (T = 256): Q4 with 16 row blocks (4 x 64-token tiles = 64
         // blocks) narrows to 32 tokens; 64 row blocks (256 blocks) keep 64.

@@ -70,6 +70,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 splitk_cluster: tune("SPLITK_CLUSTER", t.splitk_cluster as usize) != 0,
                 grouped_bn_min: tune("GROUPED_BN_MIN", t.grouped_bn_min),
                 gemm_each: tune("GEMM_EACH", t.gemm_each as usize) != 0,
+                gemm_wgmma: tune("GEMM_WGMMA", t.gemm_wgmma as usize) != 0,
             },
         }
     })
