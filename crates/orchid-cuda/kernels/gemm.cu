@@ -297,9 +297,11 @@ DEVI void wg_pin(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// Descriptor of a K-major bf16 operand with the 128-byte swizzle: start address (16-byte units),
-// leading offset 1 (unused), 8-row groups 1024 bytes apart, swizzle mode 1.
-DEVI u64 wg_desc(u32 addr) { return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62); }
+// Descriptor of a K-major bf16 operand with the 128-byte swizzle: low word the start address in
+// 16-byte units (lo: wg_desc_lo of the shared address, plus offsets / 16) and the leading offset
+// 1 (unused); high word 8-row groups 1024 bytes apart and swizzle mode 1.
+DEVI u32 wg_desc_lo(u32 addr) { return ((addr & 0x3FFFF) >> 4) | (1u << 16); }
+DEVI u64 wg_desc(u32 lo) { return ((u64)((1024 >> 4) | (1u << 30)) << 32) | lo; }
 template <bool ACC>
 DEVI void wgmma_n16(float (&d)[8], const u32 (&a)[4], u64 desc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -381,10 +383,10 @@ DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int ro
             a[s][0] = q4_pair(wa, p0), a[s][1] = q4_pair(wb, p0), a[s][2] = q4_pair(wa, p0 + 1), a[s][3] = q4_pair(wb, p0 + 1);
         }
         wg_fence();
-        const u32 b = Bs + j * BN * 128;  // the group's 64 columns: k16 slice s at + 32 s
+        const u32 b = wg_desc_lo(Bs) + j * BN * 128 / 16;  // the group's 64 columns: k16 slice s at + 32 s bytes
         wgmma_q4<NL, false>(acc, a[0], wg_desc(b));
 #pragma unroll
-        for (int s = 1; s < 4; ++s) wgmma_q4<NL, true>(acc, a[s], wg_desc(b + s * 32));
+        for (int s = 1; s < 4; ++s) wgmma_q4<NL, true>(acc, a[s], wg_desc(b + s * 2));
         wg_commit();
         wg_wait_all();
         wg_pin(acc);
