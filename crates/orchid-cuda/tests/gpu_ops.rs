@@ -475,6 +475,11 @@ fn gemm_wgmma_matches_mma_sync() {
             for parts in [1, 4] {
                 let a = gemm_parts(&g, &gg, None, &xp, t, parts);
                 let b = gemm_parts(&mma, &gg, None, &xp, t, parts);
+                // Where they differ first (token, row): a wrong operand layout shows its pattern.
+                let bad: Vec<_> = (0..a.len()).filter(|&i| a[i].to_bits() != b[i].to_bits()).take(6).collect();
+                for i in bad {
+                    println!("  differs at token {} row {}: {} vs {}", i / n, i % n, a[i], b[i]);
+                }
                 report(&format!("wgmma vs mma.sync, {parts} K parts {tag}"), rel_l2(&a, &b), 1e-6);
                 report_same(&format!("wgmma = mma.sync, {parts} K parts {tag}"), &a, &b);
             }
