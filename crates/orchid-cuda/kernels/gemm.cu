@@ -11,7 +11,9 @@
 // reading half the tile's tokens (8 x 1 there left the shared-memory pipe, which every warp's copy
 // of the B tile went through, the limit). A Q4 warp multiplies only the n8 tiles that hold tokens
 // of the tile (MoE tiles are mostly sparse).
-// Every output is the same sequence of mma and scale steps whatever the layout.
+// Every output is the same sequence of mma and scale steps whatever the layout. On Hopper the
+// Q4 64-token kernels have warpgroup-MMA twins (the _wg kernels: 8 x 1 warps, the token rows
+// read by the tensor cores from swizzled shared memory; "warpgroup MMA" below).
 //
 // Main loop: an S-stage cp.async pipeline (S per kernel: GemmCfg). A stage holds one k-step: the
 // weight tile (4-bit words + scale/bias words, or bf16 rows), the bf16 rows of the block's tokens
@@ -276,7 +278,7 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, in
     }
 }
 
-// ---- The Q4 64-token tile on Hopper's warpgroup MMA (the _wg kernels, sm_90a) ----
+// ---- warpgroup MMA: the Q4 64-token tile on Hopper (the _wg kernels, sm_90a) ----
 // The 8 warps are two warpgroups of 64 tile rows; warp w holds rows 16w .. 16w + 15 and every
 // token, its 4-bit fragments dequantised in registers exactly as q4_kstep does (the register A
 // operand of wgmma has mma.m16n8k16's layout per warp, the accumulator its C layout per n8

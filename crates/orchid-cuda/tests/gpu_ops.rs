@@ -447,8 +447,8 @@ fn gemm_pair_x_equals_pair_then_prep() {
 
 /// The Q4 64-token tiles on warpgroup MMA (`gemm::gemm_wgmma`, the `_wg` kernels) against the
 /// mma.sync kernels: one pass, split-K summed in clusters, and the gate/up pair written prepared,
-/// at token counts whose last tile takes each wgmma width (16, 32 and 64 tokens), and grouped
-/// (a whole MoE block through the backend). The same sums in the same order: the same bits.
+/// at token counts whose last tile takes each wgmma width (16, 32 and 64 tokens). The same sums
+/// in the same order: the same bits.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_wgmma_matches_mma_sync() {
@@ -467,7 +467,9 @@ fn gemm_wgmma_matches_mma_sync() {
     for &(k, n) in &[(2048usize, 1024usize), (512, 2048), (1024, 640)] {
         let (wg, wu) = (linear(&mut rng, n, k, Fmt::Mlx, 4), linear(&mut rng, n, k, Fmt::Mlx, 4));
         let (gg, gu) = (g.upload_linear(&wg).unwrap(), g.upload_linear(&wu).unwrap());
-        for &t in &[33usize, 64, 80, 90, 104, 300] {
+        // One pass takes the 64-token tile from ~600 tokens on (gemm_bn_dense); the last tile of
+        // 1100 / 1120 / 1130 tokens holds 12 / 32 / 42 (wgmma widths 16, 32, 64).
+        for &t in &[33usize, 80, 90, 104, 1100, 1120, 1130] {
             let tag = format!("T={t} K={k} N={n}");
             let x = rng.vec(t * k, 1.0);
             let gx = up(&g, t, k, &x);
