@@ -1110,6 +1110,8 @@ fn moe_routing_and_experts() {
     let own = g.with_tuning(&orchid_cuda::Tuning { shared_grouped: false, ..Default::default() }).unwrap();
     // The experts' GEMMs without the 8-token tile (32 tokens at least).
     let wide = g.with_tuning(&orchid_cuda::Tuning { grouped_bn_min: 32, ..Default::default() }).unwrap();
+    // The 64-token tiles on mma.sync instead of warpgroup MMA.
+    let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(6);
     // (E, k, H, I, Is, T list)
@@ -1156,6 +1158,9 @@ fn moe_routing_and_experts() {
             // The token tile never changes a sum: the 8-token tile gives the 32-token one's bits.
             let wo = host(&wide, &wide.moe(&up(&wide, t, h, &x), &gw, &cfg.moe).unwrap());
             report_same(&format!("moe 8-token tiles = 32-token tiles E={e} k={k} T={t}"), &go, &wo);
+            // Nor the tensor-core instruction (64-token tiles: warpgroup MMA on Hopper).
+            let mo = host(&mma, &mma.moe(&up(&mma, t, h, &x), &gw, &cfg.moe).unwrap());
+            report_same(&format!("moe wgmma = mma.sync E={e} k={k} T={t}"), &go, &mo);
         }
     }
 }
