@@ -390,8 +390,7 @@ DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int ro
 #pragma unroll
         for (int s = 1; s < 4; ++s) wgmma_q4<NL, true>(acc, a[s], wg_desc(b + s * 2));
         wg_commit();
-        wg_wait_all();
-        wg_pin(acc);
+        // The scale step's first fma does not need the sums: it runs while the tensor cores do.
         const u32 sv0 = j ? SB0.y : SB0.x, sv1 = j ? SB1.y : SB1.x;
         const float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
         const float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
@@ -399,11 +398,17 @@ DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int ro
         for (int n = 0; n < NT; ++n) {
             const uint2 xv = lds64_at(x_at + j * BN * 4 + n * 32);
             const float xa = __uint_as_float(xv.x), xb = __uint_as_float(xv.y);
-            tot[0][n][0] = __fmaf_rn(s0, acc[4 * n + 0], __fmaf_rn(c0, xa, tot[0][n][0]));
-            tot[0][n][1] = __fmaf_rn(s0, acc[4 * n + 1], __fmaf_rn(c0, xb, tot[0][n][1]));
-            tot[0][n][2] = __fmaf_rn(s1, acc[4 * n + 2], __fmaf_rn(c1, xa, tot[0][n][2]));
-            tot[0][n][3] = __fmaf_rn(s1, acc[4 * n + 3], __fmaf_rn(c1, xb, tot[0][n][3]));
+            tot[0][n][0] = __fmaf_rn(c0, xa, tot[0][n][0]);
+            tot[0][n][1] = __fmaf_rn(c0, xb, tot[0][n][1]);
+            tot[0][n][2] = __fmaf_rn(c1, xa, tot[0][n][2]);
+            tot[0][n][3] = __fmaf_rn(c1, xb, tot[0][n][3]);
         }
+        wg_wait_all();
+        wg_pin(acc);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) tot[0][n][c] = __fmaf_rn(c < 2 ? s0 : s1, acc[4 * n + c], tot[0][n][c]);
     }
 }
 
@@ -643,6 +648,39 @@ DEVI void gemm_body(const GemmArgs& a) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) tot[i][j][c] = 0.f;
 
+    if constexpr (WG) {
+        // Two k-steps per barrier (the k-step barrier bounded these kernels: each warpgroup
+        // waits for its wgmma): k-steps kt and kt + 1 are computed while kt + 2 and kt + 3 load
+        // into the stages kt − 2 and kt − 1 used (k-step k in stage k mod 4).
+        static_assert(S == 4, "the _wg main loop pairs four stages");
+        auto compute = [&](int stage) {
+            const u32 base = smem_u32(stages + stage * STAGE);
+            const u32 as = base + Cfg::A_OFF, bs = base + Cfg::B_OFF, xs = base + Cfg::X_OFF;
+            // The tile's tokens in the narrowest wgmma width that holds them (block-uniform).
+            if (count > 32) q4_kstep_wg<BN, 64>(tot, as, bs, xs, row0, lane);
+            else if (count > 16) q4_kstep_wg<BN, 32>(tot, as, bs, xs, row0, lane);
+            else q4_kstep_wg<BN, 16>(tot, as, bs, xs, row0, lane);
+        };
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            if (s < nk) load_stage(s, s);
+            cp_async_commit();
+        }
+#pragma unroll 1
+        for (int kt = 0; kt < nk; kt += 2) {
+            cp_async_wait<0>();   // k-steps kt and kt + 1 have landed
+            fence_proxy_async();  // this thread's copies, for the tensor cores' reads
+            // Everyone's copies are visible, and everyone is done with k-steps kt − 2 and kt − 1.
+            __syncthreads();
+#pragma unroll
+            for (int s = 2; s < 4; ++s) {
+                if (kt + s < nk) load_stage(kt + s, (kt + s) & 3);
+                cp_async_commit();
+            }
+            compute(kt & 3);
+            if (kt + 1 < nk) compute((kt + 1) & 3);
+        }
+    } else {
     // Prologue: k-steps 0..S-2, one commit group each (empty groups past nk keep the count fixed).
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
@@ -655,7 +693,6 @@ DEVI void gemm_body(const GemmArgs& a) {
     for (int kt = 0; kt < nk; ++kt) {
         // Groups committed so far: S - 1 + kt; at most S - 2 pending means k-step kt has landed.
         cp_async_wait<S - 2>();
-        if constexpr (WG) fence_proxy_async();  // this thread's copies, for the tensor cores' reads
         // Everyone's copies of k-step kt are visible, and everyone is done computing k-step
         // kt - 1, whose stage (ld) is refilled next.
         __syncthreads();
@@ -667,13 +704,8 @@ DEVI void gemm_body(const GemmArgs& a) {
         const __nv_bfloat16* Bh = (const __nv_bfloat16*)Bs;
 
         if constexpr (FMT == FMT_Q4) {
-            const u32 as = smem_u32(As), bs = WG ? smem_u32(Bs) : as + A_BYTES, xs = WG ? smem_u32(stages + st * STAGE) + Cfg::X_OFF : bs + B_BYTES;
-            if constexpr (WG) {
-                // The tile's tokens in the narrowest wgmma width that holds them (block-uniform).
-                if (count > 32) q4_kstep_wg<BN, 64>(tot, as, bs, xs, row0, lane);
-                else if (count > 16) q4_kstep_wg<BN, 32>(tot, as, bs, xs, row0, lane);
-                else q4_kstep_wg<BN, 16>(tot, as, bs, xs, row0, lane);
-            } else if constexpr (NT == 1) {
+            const u32 as = smem_u32(As), bs = as + A_BYTES, xs = bs + B_BYTES;
+            if constexpr (NT == 1) {
                 if (count - nbase > 0) q4_kstep<MT, 1, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
             } else if constexpr (WN == 1 || WN == 2) {
                 // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all of the warp's):
@@ -706,6 +738,7 @@ DEVI void gemm_body(const GemmArgs& a) {
         }
         st = st + 1 == S ? 0 : st + 1;
         ld = ld + 1 == S ? 0 : ld + 1;
+    }
     }
     // Drain every group (the trailing ones are empty) before the stages become the C tile.
     cp_async_wait<0>();
