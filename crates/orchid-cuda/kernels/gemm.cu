@@ -287,7 +287,8 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, in
 // token row r stored at chunk c ^ (r & 7)), 1024-byte aligned. One wgmma multiplies 64 rows by
 // up to 64 tokens over k16, so the B fragments never pass through registers and a warp issues
 // one instruction where mma.sync took eight. Per 64-group: four wgmma (the first starts the
-// group's sum from zero), wait, then the same scale step as q4_kstep.
+// group's sum from zero), the scale step's c·Σx fma while they run, wait, then its s·acc fma:
+// q4_kstep's scale step, the same operations in the same order.
 DEVI void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 DEVI void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 DEVI void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -681,64 +682,64 @@ DEVI void gemm_body(const GemmArgs& a) {
             if (kt + 1 < nk) compute((kt + 1) & 3);
         }
     } else {
-    // Prologue: k-steps 0..S-2, one commit group each (empty groups past nk keep the count fixed).
+        // Prologue: k-steps 0..S-2, one commit group each (empty groups past nk keep the count fixed).
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < nk) load_stage(s, s);
-        cp_async_commit();
-    }
+        for (int s = 0; s < S - 1; ++s) {
+            if (s < nk) load_stage(s, s);
+            cp_async_commit();
+        }
 
-    int st = 0, ld = S - 1;  // stage computed now, stage loaded now
+        int st = 0, ld = S - 1;  // stage computed now, stage loaded now
 #pragma unroll 1
-    for (int kt = 0; kt < nk; ++kt) {
-        // Groups committed so far: S - 1 + kt; at most S - 2 pending means k-step kt has landed.
-        cp_async_wait<S - 2>();
-        // Everyone's copies of k-step kt are visible, and everyone is done computing k-step
-        // kt - 1, whose stage (ld) is refilled next.
-        __syncthreads();
-        if (kt + S - 1 < nk) load_stage(kt + S - 1, ld);
-        cp_async_commit();
+        for (int kt = 0; kt < nk; ++kt) {
+            // Groups committed so far: S - 1 + kt; at most S - 2 pending means k-step kt has landed.
+            cp_async_wait<S - 2>();
+            // Everyone's copies of k-step kt are visible, and everyone is done computing k-step
+            // kt - 1, whose stage (ld) is refilled next.
+            __syncthreads();
+            if (kt + S - 1 < nk) load_stage(kt + S - 1, ld);
+            cp_async_commit();
 
-        unsigned char* As = stages + st * STAGE + Cfg::A_OFF;
-        unsigned char* Bs = stages + st * STAGE + Cfg::B_OFF;
-        const __nv_bfloat16* Bh = (const __nv_bfloat16*)Bs;
+            unsigned char* As = stages + st * STAGE + Cfg::A_OFF;
+            unsigned char* Bs = stages + st * STAGE + Cfg::B_OFF;
+            const __nv_bfloat16* Bh = (const __nv_bfloat16*)Bs;
 
-        if constexpr (FMT == FMT_Q4) {
-            const u32 as = smem_u32(As), bs = as + A_BYTES, xs = bs + B_BYTES;
-            if constexpr (NT == 1) {
-                if (count - nbase > 0) q4_kstep<MT, 1, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-            } else if constexpr (WN == 1 || WN == 2) {
-                // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all of the warp's):
-                // the others would multiply zero-filled rows. cw: the tile's tokens from this
-                // warp's first on (warp-uniform).
-                const int cw = count - nbase;
-                if (cw > 16 && NT > 4 && cw <= 32) q4_kstep<MT, NT, (NT > 4 ? 4 : NT), Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-                else if (cw > 16) q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-                else if (cw > 8) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-                else if (cw > 0) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+            if constexpr (FMT == FMT_Q4) {
+                const u32 as = smem_u32(As), bs = as + A_BYTES, xs = bs + B_BYTES;
+                if constexpr (NT == 1) {
+                    if (count - nbase > 0) q4_kstep<MT, 1, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                } else if constexpr (WN == 1 || WN == 2) {
+                    // Only the n8 tiles that hold tokens of the tile (1, 2, 4 or all of the warp's):
+                    // the others would multiply zero-filled rows. cw: the tile's tokens from this
+                    // warp's first on (warp-uniform).
+                    const int cw = count - nbase;
+                    if (cw > 16 && NT > 4 && cw <= 32) q4_kstep<MT, NT, (NT > 4 ? 4 : NT), Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                    else if (cw > 16) q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                    else if (cw > 8) q4_kstep<MT, NT, 2, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                    else if (cw > 0) q4_kstep<MT, NT, 1, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                } else {
+                    q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
+                }
             } else {
-                q4_kstep<MT, NT, NT, Cfg::Q4_ONCE>(tot, as, bs, xs, row0, nbase, lane);
-            }
-        } else {
-            const __nv_bfloat16* Ah = (const __nv_bfloat16*)As;
+                const __nv_bfloat16* Ah = (const __nv_bfloat16*)As;
 #pragma unroll
-            for (int s = 0; s < BK / 16; ++s) {
-                int k0 = s * 16;
-                u32 b[NT][2];
-                load_b<NT>(b, Bh, nbase, k0, lane);
+                for (int s = 0; s < BK / 16; ++s) {
+                    int k0 = s * 16;
+                    u32 b[NT][2];
+                    load_b<NT>(b, Bh, nbase, k0, lane);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const int r = row0 + mt * 16;
-                    u32 a0, a1, a2, a3;
-                    ldsm_x4(a0, a1, a2, a3, Ah + (r + (lane & 15)) * AB_STRIDE + k0 + (lane >> 4) * 8);
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const int r = row0 + mt * 16;
+                        u32 a0, a1, a2, a3;
+                        ldsm_x4(a0, a1, a2, a3, Ah + (r + (lane & 15)) * AB_STRIDE + k0 + (lane >> 4) * 8);
 #pragma unroll
-                    for (int n = 0; n < NT; ++n) mma_bf16(tot[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+                        for (int n = 0; n < NT; ++n) mma_bf16(tot[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+                    }
                 }
             }
+            st = st + 1 == S ? 0 : st + 1;
+            ld = ld + 1 == S ? 0 : ld + 1;
         }
-        st = st + 1 == S ? 0 : st + 1;
-        ld = ld + 1 == S ? 0 : ld + 1;
-    }
     }
     // Drain every group (the trailing ones are empty) before the stages become the C tile.
     cp_async_wait<0>();
