@@ -108,6 +108,13 @@ fn report_same(name: &str, a: &[f32], b: &[f32]) {
     report(name, if same { 0.0 } else { f64::INFINITY }, 0.0);
 }
 
+/// The bytes of prepared GEMM inputs (bf16 rows and group sums), to the host.
+fn prepared_bytes(xp: &GemmX) -> Vec<u8> {
+    let mut v = vec![0u8; xp.buf.bytes];
+    xp.buf.download(0, &mut v).unwrap();
+    v
+}
+
 /// A dense GEMM of `t` prepared rows in `kparts` K parts (1: one pass), to the host.
 fn gemm_parts(
     g: &CudaBackend,
@@ -256,12 +263,9 @@ fn gemm_x_norm_equals_norm_then_prep() {
         let unkept = gemm::gemm_x_norm(&g.ctx, gx.ptr(), k, t, k, gw.buf.ptr, 1e-6, 0).unwrap();
         let xn = g.rms_norm(&gx, &gw, 1e-6).unwrap();
         let plain = gemm::gemm_x(&g.ctx, xn.ptr(), k, t, k).unwrap();
-        let bytes = |xp: &gemm::GemmX| {
-            let mut v = vec![0u8; xp.buf.bytes];
-            xp.buf.download(0, &mut v).unwrap();
-            v
-        };
-        let same = fused.buf.bytes == plain.buf.bytes && bytes(&fused) == bytes(&plain) && bytes(&unkept) == bytes(&plain);
+        let same = fused.buf.bytes == plain.buf.bytes
+            && prepared_bytes(&fused) == prepared_bytes(&plain)
+            && prepared_bytes(&unkept) == prepared_bytes(&plain);
         report(&format!("gemm_x_norm = rms_norm + gemm_x T={t} K={k}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
         // The kept f32 rows are rms_norm's, bit for bit (the NaN fill shows any row left unwritten).
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
@@ -412,11 +416,6 @@ fn gemm_pair_x_equals_pair_then_prep() {
     let g = gpu();
     let red = g.with_tuning(&orchid_cuda::Tuning { splitk_cluster: false, ..Default::default() }).unwrap();
     let mut rng = Rng::new(23);
-    let bytes = |xp: &GemmX| {
-        let mut v = vec![0u8; xp.buf.bytes];
-        xp.buf.download(0, &mut v).unwrap();
-        v
-    };
     for &(k, n) in &[(2048usize, 512usize), (1024, 256), (2048, 1000)] {
         for (fmt, name) in [(Fmt::Mlx, "q4"), (Fmt::Hf, "bf16")] {
             let (wg, wu) = (linear(&mut rng, n, k, fmt, 4), linear(&mut rng, n, k, fmt, 4));
@@ -430,12 +429,12 @@ fn gemm_pair_x_equals_pair_then_prep() {
                 gemm::gemm(&g.ctx, &gg, Some(&gu), &xp, 0, t, None, h.ptr(), n).unwrap();
                 let plain = gemm::gemm_x(&g.ctx, h.ptr(), n, t, n).unwrap();
                 let parts = gemm::dense_kparts(&g.ctx, &gg, true, t);
-                let same = fused.buf.bytes == plain.buf.bytes && bytes(&fused) == bytes(&plain);
+                let same = fused.buf.bytes == plain.buf.bytes && prepared_bytes(&fused) == prepared_bytes(&plain);
                 let tag = format!("{name} T={t} K={k} N={n} ({parts} K parts)");
                 report(&format!("gemm_pair_x = pair + gemm_x {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
                 // The parts summed by the reduction kernel instead of in clusters: the same bytes.
                 let reduced = gemm::gemm_pair_x(&red.ctx, &gg, &gu, &xp, 0, t, None).unwrap();
-                let same = bytes(&reduced) == bytes(&fused);
+                let same = prepared_bytes(&reduced) == prepared_bytes(&fused);
                 report(&format!("gemm_pair_x cluster = reduction kernel {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
                 let hr = red.tensor(t, n).unwrap();
                 gemm::gemm(&red.ctx, &gg, Some(&gu), &xp, 0, t, None, hr.ptr(), n).unwrap();
@@ -459,11 +458,6 @@ fn gemm_wgmma_matches_mma_sync() {
     }
     let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..Default::default() }).unwrap();
     let mut rng = Rng::new(37);
-    let bytes = |xp: &GemmX| {
-        let mut v = vec![0u8; xp.buf.bytes];
-        xp.buf.download(0, &mut v).unwrap();
-        v
-    };
     for &(k, n) in &[(2048usize, 1024usize), (512, 2048), (1024, 640)] {
         let (wg, wu) = (linear(&mut rng, n, k, Fmt::Mlx, 4), linear(&mut rng, n, k, Fmt::Mlx, 4));
         let (gg, gu) = (g.upload_linear(&wg).unwrap(), g.upload_linear(&wu).unwrap());
@@ -487,7 +481,7 @@ fn gemm_wgmma_matches_mma_sync() {
             }
             let fused = gemm::gemm_pair_x(&g.ctx, &gg, &gu, &xp, 0, t, None).unwrap();
             let plain = gemm::gemm_pair_x(&mma.ctx, &gg, &gu, &xp, 0, t, None).unwrap();
-            let same = bytes(&fused) == bytes(&plain);
+            let same = prepared_bytes(&fused) == prepared_bytes(&plain);
             report(&format!("wgmma = mma.sync, gate/up pair prepared {tag}"), if same { 0.0 } else { f64::INFINITY }, 0.0);
         }
     }
