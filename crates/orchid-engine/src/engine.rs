@@ -120,6 +120,14 @@ pub struct EngineOptions {
     pub inject_fault: Option<Fault>,
 }
 
+impl EngineOptions {
+    /// Prompt tokens one step runs: `max_batched_tokens`, else the backend's `default`, never
+    /// fewer than one prefill chunk.
+    pub fn step_tokens(&self, default: usize) -> usize {
+        self.max_batched_tokens.unwrap_or(default).max(self.prefill_chunk.max(1))
+    }
+}
+
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
@@ -360,8 +368,11 @@ where
     F: FnOnce() -> anyhow::Result<LoadedModel<B>> + Send + 'static,
 {
     // The options as the engine uses them, which the handle reports.
-    let prefill_chunk = opts.prefill_chunk.max(1);
-    let opts = EngineOptions { prefill_chunk, max_batched_tokens: opts.max_batched_tokens.map(|n| n.max(prefill_chunk)), ..opts };
+    let opts = EngineOptions {
+        prefill_chunk: opts.prefill_chunk.max(1),
+        max_batched_tokens: opts.max_batched_tokens.map(|n| opts.step_tokens(n)),
+        ..opts
+    };
     let (tx, rx) = channel();
     let info = Arc::new(OnceLock::new());
     let failed = Arc::new(OnceLock::new());
@@ -398,8 +409,7 @@ where
                 None => None,
             };
             let max_context = opts2.max_context.min(model.config.max_position_embeddings);
-            let max_batched_tokens =
-                opts2.max_batched_tokens.unwrap_or_else(|| model.backend.default_batched_tokens()).max(opts2.prefill_chunk);
+            let max_batched_tokens = opts2.step_tokens(model.backend.default_batched_tokens());
             // The fast decoder's workspace first, so that the state is sized from what is left.
             let mut fast = fast;
             let workspace = match fast.as_mut().map(|f| f.reserve(&model, opts2.max_seqs)) {
