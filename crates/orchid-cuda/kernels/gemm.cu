@@ -377,6 +377,10 @@ DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int ro
     const uint2 SB0 = lds64_at(s_at), SB1 = lds64_at(s_at + 64);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
+        // The group's sums of the token rows, read before they are needed.
+        uint2 xv[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) xv[n] = lds64_at(x_at + j * BN * 4 + n * 32);
         float acc[NL / 2];
         u32 a[4][4];
 #pragma unroll
@@ -397,8 +401,7 @@ DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int ro
         const float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const uint2 xv = lds64_at(x_at + j * BN * 4 + n * 32);
-            const float xa = __uint_as_float(xv.x), xb = __uint_as_float(xv.y);
+            const float xa = __uint_as_float(xv[n].x), xb = __uint_as_float(xv[n].y);
             tot[0][n][0] = __fmaf_rn(c0, xa, tot[0][n][0]);
             tot[0][n][1] = __fmaf_rn(c0, xb, tot[0][n][1]);
             tot[0][n][2] = __fmaf_rn(c1, xa, tot[0][n][2]);
