@@ -172,6 +172,61 @@ DEVI void load_b(u32 (&b)[NT][2], const __nv_bfloat16* Bh, int nbase, int k0, in
 
 DEVI u32 word4(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
+// q4_kstep's two 64-groups on the fetched words (ONCE: all of the k-step's, else fetch(j) at the
+// start of group j) and the B rows at shared address b_at (ldmatrix's lane addresses, group 0).
+template <int MT, int NT, int NL, bool ONCE, typename Fetch>
+DEVI void q4_groups(float (&tot)[MT][NT][4], uint4 (&A0)[MT], uint4 (&A1)[MT], uint2 (&SB0)[MT], uint2 (&SB1)[MT], float4 (&X)[NL], u32 b_at,
+                    Fetch&& fetch) {
+#pragma unroll(ONCE ? 2 : 1)
+    for (int j = 0; j < 2; ++j) {
+        if constexpr (!ONCE) fetch(j);
+        const int jf = ONCE ? j : 0;  // group j's place in the fetched registers
+        const u32 bj = b_at + j * 128;
+        float acc[MT][NL][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int n = 0; n < NL; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[i][n][c] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            u32 b[NL][2];
+            if constexpr (NL == 1) {
+                ldsm_x2_at(b[0][0], b[0][1], bj + s * 32);
+            } else {
+#pragma unroll
+                for (int np = 0; np < NL / 2; ++np)
+                    ldsm_x4_at(b[2 * np][0], b[2 * np][1], b[2 * np + 1][0], b[2 * np + 1][1], bj + s * 32 + np * 32 * BS_STRIDE);
+            }
+            const int p0 = 2 * (s & 1), wi = 2 * jf + (s >> 1);  // pair slots, fetched word
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                u32 wa = word4(A0[mt], wi), wb = word4(A1[mt], wi);
+                u32 a0 = q4_pair(wa, p0), a2 = q4_pair(wa, p0 + 1), a1 = q4_pair(wb, p0), a3 = q4_pair(wb, p0 + 1);
+#pragma unroll
+                for (int n = 0; n < NL; ++n) mma_bf16(acc[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            u32 sv0 = jf ? SB0[mt].y : SB0[mt].x, sv1 = jf ? SB1[mt].y : SB1[mt].x;
+            float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
+            float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
+            // Spelled out (__fmaf_rn): left to the compiler, the contraction varied between
+            // kernel variants (so did the bits).
+#pragma unroll
+            for (int n = 0; n < NL; ++n) {
+                float xa = jf ? X[n].y : X[n].x, xb = jf ? X[n].w : X[n].z;
+                tot[mt][n][0] = __fmaf_rn(s0, acc[mt][n][0], __fmaf_rn(c0, xa, tot[mt][n][0]));
+                tot[mt][n][1] = __fmaf_rn(s0, acc[mt][n][1], __fmaf_rn(c0, xb, tot[mt][n][1]));
+                tot[mt][n][2] = __fmaf_rn(s1, acc[mt][n][2], __fmaf_rn(c1, xa, tot[mt][n][2]));
+                tot[mt][n][3] = __fmaf_rn(s1, acc[mt][n][3], __fmaf_rn(c1, xb, tot[mt][n][3]));
+            }
+        }
+    }
+}
+
 // One Q4 k-step of a warp: tot[mt][n] += the 16 x 8 products of tile rows row0 + 16 mt (+ 0..15)
 // and tokens nbase + 8 n (+ 0..7), for the first NL of its NT n8 tiles (the others are left
 // alone). Per 64-group j: acc = Σ over the group's four k16 slices (mma, in k order) of
@@ -228,54 +283,7 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, in
         }
     };
     if constexpr (ONCE) fetch(0);
-#pragma unroll(ONCE ? 2 : 1)
-    for (int j = 0; j < 2; ++j) {
-        if constexpr (!ONCE) fetch(j);
-        const int jf = ONCE ? j : 0;  // group j's place in the fetched registers
-        const u32 bj = b_at + j * 128;
-        float acc[MT][NL][4];
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int n = 0; n < NL; ++n)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[i][n][c] = 0.f;
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            u32 b[NL][2];
-            if constexpr (NL == 1) {
-                ldsm_x2_at(b[0][0], b[0][1], bj + s * 32);
-            } else {
-#pragma unroll
-                for (int np = 0; np < NL / 2; ++np)
-                    ldsm_x4_at(b[2 * np][0], b[2 * np][1], b[2 * np + 1][0], b[2 * np + 1][1], bj + s * 32 + np * 32 * BS_STRIDE);
-            }
-            const int p0 = 2 * (s & 1), wi = 2 * jf + (s >> 1);  // pair slots, fetched word
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                u32 wa = word4(A0[mt], wi), wb = word4(A1[mt], wi);
-                u32 a0 = q4_pair(wa, p0), a2 = q4_pair(wa, p0 + 1), a1 = q4_pair(wb, p0), a3 = q4_pair(wb, p0 + 1);
-#pragma unroll
-                for (int n = 0; n < NL; ++n) mma_bf16(acc[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
-            }
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            u32 sv0 = jf ? SB0[mt].y : SB0[mt].x, sv1 = jf ? SB1[mt].y : SB1[mt].x;
-            float s0 = bf16_lo(sv0), c0 = bf16_hi(sv0) - 128.f * s0;
-            float s1 = bf16_lo(sv1), c1 = bf16_hi(sv1) - 128.f * s1;
-            // Spelled out (__fmaf_rn): left to the compiler, the contraction varied between
-            // kernel variants (so did the bits).
-#pragma unroll
-            for (int n = 0; n < NL; ++n) {
-                float xa = jf ? X[n].y : X[n].x, xb = jf ? X[n].w : X[n].z;
-                tot[mt][n][0] = __fmaf_rn(s0, acc[mt][n][0], __fmaf_rn(c0, xa, tot[mt][n][0]));
-                tot[mt][n][1] = __fmaf_rn(s0, acc[mt][n][1], __fmaf_rn(c0, xb, tot[mt][n][1]));
-                tot[mt][n][2] = __fmaf_rn(s1, acc[mt][n][2], __fmaf_rn(c1, xa, tot[mt][n][2]));
-                tot[mt][n][3] = __fmaf_rn(s1, acc[mt][n][3], __fmaf_rn(c1, xb, tot[mt][n][3]));
-            }
-        }
-    }
+    q4_groups<MT, NT, NL, ONCE>(tot, A0, A1, SB0, SB1, X, b_at, fetch);
 }
 
 // ---- warpgroup MMA: the Q4 64-token tile on Hopper (the _wg kernels, sm_90a) ----
@@ -498,7 +506,7 @@ DEVI void splitk_cluster_finish(const GemmArgs& a, u32 cs) {
     }
 }
 
-template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false>
+template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false, bool LD = false>
 DEVI void gemm_body(const GemmArgs& a) {
     pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
     using Cfg = GemmCfg<FMT, BN, WG>;
@@ -652,7 +660,80 @@ DEVI void gemm_body(const GemmArgs& a) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) tot[i][j][c] = 0.f;
 
-    if constexpr (WG) {
+    if constexpr (LD) {
+        // Direct weight loads (the _ld kernels: grouped Q4 8-token tiles, one pass). The block's
+        // token rows and group sums for all its k-steps go to shared memory at once, each k-step
+        // laid out as a stage's ([kt]: token rows [BN][BS_STRIDE] bf16; after all of them, [kt]:
+        // group sums [BN][2] f32). Each warp then streams its own 16 weight rows, one contiguous
+        // 1 KB unit (and 128 bytes of scale/bias words) per k-step, from global memory into
+        // registers two k-steps ahead of their use: no weight passes through shared memory, and
+        // the loop has no barrier. The products are q4_kstep's on the same words.
+        static_assert(FMT == FMT_Q4 && BN == 8 && MT == 1 && NT == 1 && !CLUSTER && !WG, "_ld: grouped Q4 8-token tiles");
+        constexpr int BB = BN * BS_STRIDE * 2;  // bytes of a k-step's token rows
+        const u32 bsm = smem_u32(smem), xsm = bsm + nk * BB;
+        {
+            // Thread: token (tid / 16) % 8, 16-byte chunk tid % 16 of k-steps tid / 128, + 2, ...;
+            // group sums: thread i < nk · BN those of k-step i / BN, token i % BN.
+            const int tk = (threadIdx.x >> 4) & 7, ch = threadIdx.x & 15;
+            const bool ok = tk < count;
+            const i64 row = ok ? (x_rows ? x_rows[start + tk] : start + tk) : 0;
+            const unsigned char* src = (const unsigned char*)a.x + row * a.kpad * 2 + (i64)kt0 * 256 + ch * 16;
+            for (int kt = threadIdx.x >> 7; kt < nk; kt += 2) cp_async16(smem + kt * BB + tk * BS_STRIDE * 2 + ch * 16, src + kt * 256, ok);
+            for (int i = threadIdx.x; i < nk * BN; i += 256) {
+                const int t = i % BN;
+                const bool okx = t < count;
+                const i64 xr = okx ? (x_rows ? x_rows[start + t] : start + t) : 0;
+                cp_async8(smem + nk * BB + i * 8, (const unsigned char*)a.xs + xr * (a.kpad / 16) + (i64)(kt0 + i / BN) * 8, okx);
+            }
+            cp_async_commit();
+        }
+        // This warp's 16 rows: one unit of W (PAIR: warps 0-3 W's rows, 4-7 W2's at the same
+        // indices), rows g and g + 8 of it for this lane, read in k-step order through running
+        // pointers. A row beyond mrem reads row 0 of the unit instead: its outputs are never
+        // written.
+        const int rr = PAIR ? (row0 & (BM / 2 - 1)) : row0;
+        const bool hi = PAIR && row0 >= BM / 2;
+        const int r0 = rr + g < mrem ? g : 0, r1 = rr + g + 8 < mrem ? g + 8 : 0;
+        const unsigned char* pa = (const unsigned char*)(hi ? W2 : W) + q4_offset(wrow0 + rr, kt0, a.kpad) + t4 * 16;
+        const unsigned char* ps = (const unsigned char*)(hi ? SB2 : SB) + q4_sb_offset(wrow0 + rr, kt0, a.kpad);
+        const int oa0 = r0 * 64, oa1 = r1 * 64, os0 = r0 * 8, os1 = r1 * 8;
+        uint4 ra[3][2];
+        uint2 rs[3][2];
+        auto fetch = [&](int b, int kt) {
+            if (kt < nk) {
+                ra[b][0] = ldg_nc((const uint4*)(pa + oa0));
+                ra[b][1] = ldg_nc((const uint4*)(pa + oa1));
+                rs[b][0] = ldg_nc2((const uint2*)(ps + os0));
+                rs[b][1] = ldg_nc2((const uint2*)(ps + os1));
+                pa += Q4_UNIT;
+                ps += Q4_SB_UNIT;
+            }
+        };
+        // q4_kstep's lane addresses: B rows (lane & 7, k half (lane >> 3) & 1), sums of tokens 2 t4, 2 t4 + 1.
+        const u32 b_at = bsm + ((lane & 7) * BS_STRIDE + ((lane >> 3) & 1) * 8) * 2, x_at = xsm + 2 * t4 * 8;
+        auto step = [&](int b, int kt) {
+            uint4 A0[1] = {ra[b][0]}, A1[1] = {ra[b][1]};
+            uint2 SB0[1] = {rs[b][0]}, SB1[1] = {rs[b][1]};
+            const uint4 v = lds128_at(x_at + kt * BN * 8);
+            float4 X[1] = {make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w))};
+            q4_groups<1, 1, 1, true>(tot, A0, A1, SB0, SB1, X, b_at + kt * BB, [](int) {});
+        };
+        fetch(0, 0);
+        fetch(1, 1);
+        cp_async_wait<0>();
+        __syncthreads();  // everyone's token rows and sums have landed
+#pragma unroll 1
+        for (int kt = 0; kt < nk; kt += 3) {
+            fetch(2, kt + 2);
+            step(0, kt);
+            if (kt + 1 >= nk) break;
+            fetch(0, kt + 3);
+            step(1, kt + 1);
+            if (kt + 2 >= nk) break;
+            fetch(1, kt + 4);
+            step(2, kt + 2);
+        }
+    } else if constexpr (WG) {
         // Two k-steps per barrier (the k-step barrier bounded these kernels: each warpgroup
         // waits for its wgmma): k-steps kt and kt + 1 are computed while kt + 2 and kt + 3 load
         // into the stages kt − 2 and kt − 1 used (k-step k in stage k mod 4).
@@ -848,6 +929,11 @@ GEMM_KERNEL_KC(gemm_bf16_n64_kc, FMT_BF16, 64, false, 2)
 GEMM_KERNEL_KC(gemm_bf16_pair_n64_kc, FMT_BF16, 64, true, 2)
 GEMM_KERNEL_KC(gemm_bf16_n128_kc, FMT_BF16, 128, false, 1)
 GEMM_KERNEL_KC(gemm_bf16_pair_n128_kc, FMT_BF16, 128, true, 1)
+// Grouped Q4 8-token tiles with each warp's weights loaded straight into registers.
+#define GEMM_KERNEL_LD(name, PAIR) \
+    extern "C" __global__ void __launch_bounds__(256, 3) name(const GemmArgs a) { gemm_body<FMT_Q4, 8, PAIR, false, false, true>(a); }
+GEMM_KERNEL_LD(gemm_q4_n8_ld, false)
+GEMM_KERNEL_LD(gemm_q4_pair_n8_ld, true)
 GEMM_KERNEL_WG(gemm_q4_n64_wg, 64, false, false)
 GEMM_KERNEL_WG(gemm_q4_pair_n64_wg, 64, true, false)
 GEMM_KERNEL_WG(gemm_q4_n64_kc_wg, 64, false, true)

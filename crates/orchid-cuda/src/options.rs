@@ -90,6 +90,9 @@ pub struct Tuning {
     /// The Q4 GEMMs of 64-token tiles on Hopper's warpgroup MMA (`ops::gemm::gemm_wgmma`, the
     /// `_wg` kernels, compute capability 9.0); false: the mma.sync kernels.
     pub gemm_wgmma: bool,
+    /// The experts' grouped Q4 GEMMs of 8-token tiles with each warp's weights loaded straight
+    /// into registers (`ops::gemm::gemm_direct`, the `_ld` kernels); false: the cp.async pipeline.
+    pub gemm_direct: bool,
 }
 
 impl Default for Tuning {
@@ -112,6 +115,7 @@ impl Default for Tuning {
             grouped_bn_min: 8,
             gemm_each: true,
             gemm_wgmma: true,
+            gemm_direct: true,
         }
     }
 }
@@ -141,6 +145,7 @@ impl Tuning {
             },
             gemm_each: self.gemm_each,
             gemm_wgmma: self.gemm_wgmma,
+            gemm_direct: self.gemm_direct,
         }
     }
 }
@@ -171,6 +176,7 @@ mod tests {
             grouped_bn_min: 100,
             gemm_each: false,
             gemm_wgmma: false,
+            gemm_direct: false,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

@@ -1106,6 +1106,8 @@ fn moe_routing_and_experts() {
     let wide = g.with_tuning(&orchid_cuda::Tuning { grouped_bn_min: 32, ..Default::default() }).unwrap();
     // The 64-token tiles on mma.sync instead of warpgroup MMA.
     let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..Default::default() }).unwrap();
+    // The 8-token tiles' weights through the cp.async pipeline instead of straight into registers.
+    let pipe = g.with_tuning(&orchid_cuda::Tuning { gemm_direct: false, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(6);
     // (E, k, H, I, Is, T list)
@@ -1155,6 +1157,9 @@ fn moe_routing_and_experts() {
             // Nor the tensor-core instruction (64-token tiles: warpgroup MMA on Hopper).
             let mo = host(&mma, &mma.moe(&up(&mma, t, h, &x), &gw, &cfg.moe).unwrap());
             report_same(&format!("moe wgmma = mma.sync E={e} k={k} T={t}"), &go, &mo);
+            // Nor the weights' path into registers (8-token tiles: direct loads).
+            let po = host(&pipe, &pipe.moe(&up(&pipe, t, h, &x), &gw, &cfg.moe).unwrap());
+            report_same(&format!("moe direct weight loads = cp.async pipeline E={e} k={k} T={t}"), &go, &po);
         }
     }
 }

@@ -205,6 +205,24 @@ pub fn gemm_wgmma(c: &Ctx, fmt: WFormat, bn: usize) -> bool {
     c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && bn == 64
 }
 
+/// Dynamic shared memory of the `_ld` kernels (grouped Q4 8-token tiles, weights loaded into
+/// registers) for padded K `kpad`: the tile's token rows and group sums for every k-step
+/// (kernels/gemm.cu, "direct weight loads"), or the epilogue's C tile if larger.
+pub fn gemm_ld_smem(kpad: usize) -> usize {
+    ((kpad / 128) * (8 * 136 * 2 + 8 * 2 * 4)).max(8 * (128 + 4) * 4)
+}
+
+/// Most shared memory an `_ld` block may take: three blocks per SM, as the kernels' registers
+/// are bounded for.
+pub const GEMM_LD_SMEM_MAX: usize = 75 * 1024;
+
+/// Whether a grouped GEMM runs on the `_ld` kernels: Q4 experts in 8-token tiles whose token rows
+/// fit `GEMM_LD_SMEM_MAX`, unless `Tuning::gemm_direct` is off. Each output is the same sum of
+/// the same mma and scale steps in the same order as in the pipelined 8-token kernels.
+pub fn gemm_direct(c: &Ctx, fmt: WFormat, bn: usize, kpad: usize) -> bool {
+    c.tuning.gemm_direct && fmt == WFormat::Q4 && bn == 8 && gemm_ld_smem(kpad) <= GEMM_LD_SMEM_MAX
+}
+
 /// Grouped tiles: (tile table, device count, upper bound of tiles, the table's tile width), and
 /// an expert whose weights live apart.
 pub struct Grouped {
@@ -336,14 +354,16 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
 
 /// The GEMM kernel of a format, gate/up pair or not, token tile, split-K form (`cluster`: the
 /// _kc kernels, whose K parts are summed in the kernel's epilogue, which writes `out` as one pass
-/// would) and tensor-core instruction (`wg`: warpgroup MMA, `gemm_wgmma`).
-fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool, wg: bool) -> String {
+/// would), tensor-core instruction (`wg`: warpgroup MMA, `gemm_wgmma`) and weight path (`ld`:
+/// straight into registers, `gemm_direct`).
+fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool, wg: bool, ld: bool) -> String {
     format!(
-        "gemm_{}{}_n{bn}{}{}",
+        "gemm_{}{}_n{bn}{}{}{}",
         if fmt == WFormat::Q4 { "q4" } else { "bf16" },
         if pair { "_pair" } else { "" },
         if cluster { "_kc" } else { "" },
-        if wg { "_wg" } else { "" }
+        if wg { "_wg" } else { "" },
+        if ld { "_ld" } else { "" }
     )
 }
 
@@ -391,7 +411,7 @@ pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) 
         ..Default::default()
     };
     let wg = gemm_wgmma(c, w.fmt, bn);
-    let name = gemm_kernel(w.fmt, false, bn, true, wg);
+    let name = gemm_kernel(w.fmt, false, bn, true, wg, false);
     let grid = (rb as u32, t.div_ceil(bn) as u32, kparts as u32);
     c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, gemm_smem(w.fmt, bn, wg) as u32, &a)?;
     Ok(true)
@@ -530,10 +550,11 @@ fn gemm_launch(
         seg: Default::default(),
     };
     let wg = gemm_wgmma(c, w.fmt, bn);
-    let name = gemm_kernel(w.fmt, pair, bn, cluster, wg);
+    let ld = grouped.is_some() && gemm_direct(c, w.fmt, bn, w.kpad);
+    let name = gemm_kernel(w.fmt, pair, bn, cluster, wg, ld);
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     let grid = (gx as u32, gy as u32, kparts as u32);
-    let smem = gemm_smem(w.fmt, bn, wg) as u32;
+    let smem = if ld { gemm_ld_smem(w.kpad) } else { gemm_smem(w.fmt, bn, wg) } as u32;
     if cluster {
         return c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, smem, &a);
     }
@@ -607,9 +628,15 @@ mod tests {
         assert_eq!((gemm_bn(WFormat::Q4, 512, Some(2)), gemm_bn(WFormat::Bf16, 512, Some(2))), (8, 32));
         assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
         assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
-        assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true, false), "gemm_q4_pair_n32_kc");
-        assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, false), "gemm_bf16_n128");
-        assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, true), "gemm_q4_pair_n64_kc_wg");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true, false, false), "gemm_q4_pair_n32_kc");
+        assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, false, false), "gemm_bf16_n128");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, true, false), "gemm_q4_pair_n64_kc_wg");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 8, false, false, true), "gemm_q4_pair_n8_ld");
+        // The _ld kernels' token rows: the experts' K (2,048 and 512) and twice that fit three
+        // blocks per SM; 8,192 does not (the pipelined kernel takes it).
+        assert_eq!((gemm_ld_smem(2048), gemm_ld_smem(512), gemm_ld_smem(128)), (35840, 8960, 4224));
+        assert!(gemm_ld_smem(4096) <= GEMM_LD_SMEM_MAX && gemm_ld_smem(8192) > GEMM_LD_SMEM_MAX);
+        const { assert!(3 * (GEMM_LD_SMEM_MAX + 1024) <= 228 * 1024) };
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn, false);
         assert_eq!(gemm_smem(WFormat::Q4, 64, true), 107520); // 4 stages of 26 KB + 1 KB

@@ -71,6 +71,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 grouped_bn_min: tune("GROUPED_BN_MIN", t.grouped_bn_min),
                 gemm_each: tune("GEMM_EACH", t.gemm_each as usize) != 0,
                 gemm_wgmma: tune("GEMM_WGMMA", t.gemm_wgmma as usize) != 0,
+                gemm_direct: tune("GEMM_DIRECT", t.gemm_direct as usize) != 0,
             },
         }
     })
