@@ -929,9 +929,10 @@ GEMM_KERNEL_KC(gemm_bf16_n64_kc, FMT_BF16, 64, false, 2)
 GEMM_KERNEL_KC(gemm_bf16_pair_n64_kc, FMT_BF16, 64, true, 2)
 GEMM_KERNEL_KC(gemm_bf16_n128_kc, FMT_BF16, 128, false, 1)
 GEMM_KERNEL_KC(gemm_bf16_pair_n128_kc, FMT_BF16, 128, true, 1)
-// Grouped Q4 8-token tiles with each warp's weights loaded straight into registers.
+// Grouped Q4 8-token tiles with each warp's weights loaded straight into registers: 64
+// registers, four blocks per SM (ops::gemm::GEMM_LD_SMEM_MAX).
 #define GEMM_KERNEL_LD(name, PAIR) \
-    extern "C" __global__ void __launch_bounds__(256, 3) name(const GemmArgs a) { gemm_body<FMT_Q4, 8, PAIR, false, false, true>(a); }
+    extern "C" __global__ void __launch_bounds__(256, 4) name(const GemmArgs a) { gemm_body<FMT_Q4, 8, PAIR, false, false, true>(a); }
 GEMM_KERNEL_LD(gemm_q4_n8_ld, false)
 GEMM_KERNEL_LD(gemm_q4_pair_n8_ld, true)
 GEMM_KERNEL_WG(gemm_q4_n64_wg, 64, false, false)

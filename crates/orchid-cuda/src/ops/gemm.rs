@@ -212,9 +212,9 @@ pub fn gemm_ld_smem(kpad: usize) -> usize {
     ((kpad / 128) * (8 * 136 * 2 + 8 * 2 * 4)).max(8 * (128 + 4) * 4)
 }
 
-/// Most shared memory an `_ld` block may take: three blocks per SM, as the kernels' registers
+/// Most shared memory an `_ld` block may take: four blocks per SM, as the kernels' registers
 /// are bounded for.
-pub const GEMM_LD_SMEM_MAX: usize = 75 * 1024;
+pub const GEMM_LD_SMEM_MAX: usize = 55 * 1024;
 
 /// Whether a grouped GEMM runs on the `_ld` kernels: Q4 experts in 8-token tiles whose token rows
 /// fit `GEMM_LD_SMEM_MAX`, unless `Tuning::gemm_direct` is off. Each output is the same sum of
@@ -632,11 +632,11 @@ mod tests {
         assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, false, false), "gemm_bf16_n128");
         assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, true, false), "gemm_q4_pair_n64_kc_wg");
         assert_eq!(gemm_kernel(WFormat::Q4, true, 8, false, false, true), "gemm_q4_pair_n8_ld");
-        // The _ld kernels' token rows: the experts' K (2,048 and 512) and twice that fit three
-        // blocks per SM; 8,192 does not (the pipelined kernel takes it).
+        // The _ld kernels' token rows: the experts' K (2,048 and 512) fit four blocks per SM;
+        // 4,096 does not (the pipelined kernel takes it).
         assert_eq!((gemm_ld_smem(2048), gemm_ld_smem(512), gemm_ld_smem(128)), (35840, 8960, 4224));
-        assert!(gemm_ld_smem(4096) <= GEMM_LD_SMEM_MAX && gemm_ld_smem(8192) > GEMM_LD_SMEM_MAX);
-        const { assert!(3 * (GEMM_LD_SMEM_MAX + 1024) <= 228 * 1024) };
+        assert!(gemm_ld_smem(3072) <= GEMM_LD_SMEM_MAX && gemm_ld_smem(4096) > GEMM_LD_SMEM_MAX);
+        const { assert!(4 * (GEMM_LD_SMEM_MAX + 1024) <= 228 * 1024) };
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn, false);
         assert_eq!(gemm_smem(WFormat::Q4, 64, true), 107520); // 4 stages of 26 KB + 1 KB
