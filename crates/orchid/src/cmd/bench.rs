@@ -352,6 +352,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Prints per-kernel times (`driver::profile_summary` rows) under `title` with their sum and the
+/// wall time, and returns them as JSON.
+pub(super) fn profile_table(title: &str, rows: &[(&'static str, usize, f64)], wall: f64) -> serde_json::Value {
+    let total: f64 = rows.iter().map(|r| r.2).sum();
+    eprintln!("{title}: {total:.3} ms of kernels, {wall:.3} ms wall");
+    for r in rows.iter().take(24) {
+        eprintln!(
+            "  {:<22} {:>6} launches {:>10.3} ms {:>6.1}%  ({:.1} us each)",
+            r.0,
+            r.1,
+            r.2,
+            100.0 * r.2 / total,
+            1e3 * r.2 / r.1 as f64
+        );
+    }
+    json!(rows.iter().map(|r| json!({"kernel": r.0, "launches": r.1, "ms": r.2})).collect::<Vec<_>>())
+}
+
 /// Per-kernel GPU time of a prefill of `len` tokens after `context` untimed ones (eager launches,
 /// so CPU-side gaps show up in the kernel that follows them) and of one captured decode step
 /// after them.
@@ -394,21 +412,7 @@ fn profile(
     let dec = pg.profile_summary()?;
     drop(pg);
     state.free(slot);
-    let table = |title: &str, rows: &[(&'static str, usize, f64)], wall: f64| {
-        let total: f64 = rows.iter().map(|r| r.2).sum();
-        eprintln!("{title}: {total:.3} ms of kernels, {wall:.3} ms wall");
-        for r in rows.iter().take(24) {
-            eprintln!(
-                "  {:<22} {:>6} launches {:>10.3} ms {:>6.1}%  ({:.1} us each)",
-                r.0,
-                r.1,
-                r.2,
-                100.0 * r.2 / total,
-                1e3 * r.2 / r.1 as f64
-            );
-        }
-        json!(rows.iter().map(|r| json!({"kernel": r.0, "launches": r.1, "ms": r.2})).collect::<Vec<_>>())
-    };
+    let table = profile_table;
     Ok(json!({
         "prefill_tokens": len,
         "prefill_context": context,
