@@ -506,6 +506,67 @@ DEVI void splitk_cluster_finish(const GemmArgs& a, u32 cs) {
     }
 }
 
+// ---- direct weight loads (the _ld kernels) ----
+// A warp's 16 weight rows of the block: its lane's 16-byte chunk of the first k-step's unit (rows
+// g and g + 8 at byte offsets oa0, oa1) and the unit's scale/bias words (os0, os1).
+struct Q4Rows {
+    const unsigned char* pa;
+    const unsigned char* ps;
+    int oa0, oa1, os0, os1;
+};
+
+// The main loop of an _ld block once its token rows and group sums are in flight (k-step kt's at
+// bsm + kt · BN · BS_STRIDE · 2 and xsm + kt · BN · 8): the warp's words of each k-step are
+// loaded from global memory into a ring of three register buffers, two k-steps ahead of their
+// use, then multiplied as q4_kstep does (q4_groups, the first NL n8 tiles), so the same bits; one
+// barrier (the token rows have landed), none in the loop.
+template <int BN, int NL>
+DEVI void q4_ld_loop(float (&tot)[1][BN / 8][4], Q4Rows w, u32 bsm, u32 xsm, int nk, int lane) {
+    constexpr int NT = BN / 8, BB = BN * BS_STRIDE * 2;
+    uint4 ra[3][2];
+    uint2 rs[3][2];
+    auto fetch = [&](int b, int kt) {
+        if (kt < nk) {
+            ra[b][0] = ldg_nc((const uint4*)(w.pa + w.oa0));
+            ra[b][1] = ldg_nc((const uint4*)(w.pa + w.oa1));
+            rs[b][0] = ldg_nc2((const uint2*)(w.ps + w.os0));
+            rs[b][1] = ldg_nc2((const uint2*)(w.ps + w.os1));
+            w.pa += Q4_UNIT;
+            w.ps += Q4_SB_UNIT;
+        }
+    };
+    // q4_kstep's lane addresses: B rows as ldmatrix takes them, sums of tokens 2 t4, 2 t4 + 1.
+    const int t4 = lane & 3;
+    const u32 b_at = bsm + (((NL == 1 ? 0 : (lane >> 4) * 8) + (lane & 7)) * BS_STRIDE + ((lane >> 3) & 1) * 8) * 2;
+    const u32 x_at = xsm + 2 * t4 * 8;
+    auto step = [&](int b, int kt) {
+        uint4 A0[1] = {ra[b][0]}, A1[1] = {ra[b][1]};
+        uint2 SB0[1] = {rs[b][0]}, SB1[1] = {rs[b][1]};
+        float4 X[NL];
+#pragma unroll
+        for (int n = 0; n < NL; ++n) {
+            const uint4 v = lds128_at(x_at + kt * BN * 8 + n * 64);
+            X[n] = make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+        }
+        q4_groups<1, NT, NL, true>(tot, A0, A1, SB0, SB1, X, b_at + kt * BB, [](int) {});
+    };
+    fetch(0, 0);
+    fetch(1, 1);
+    cp_async_wait<0>();
+    __syncthreads();  // everyone's token rows and sums have landed
+#pragma unroll 1
+    for (int kt = 0; kt < nk; kt += 3) {
+        fetch(2, kt + 2);
+        step(0, kt);
+        if (kt + 1 >= nk) break;
+        fetch(0, kt + 3);
+        step(1, kt + 1);
+        if (kt + 2 >= nk) break;
+        fetch(1, kt + 4);
+        step(2, kt + 2);
+    }
+}
+
 template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false, bool LD = false>
 DEVI void gemm_body(const GemmArgs& a) {
     pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
@@ -661,24 +722,31 @@ DEVI void gemm_body(const GemmArgs& a) {
             for (int c = 0; c < 4; ++c) tot[i][j][c] = 0.f;
 
     if constexpr (LD) {
-        // Direct weight loads (the _ld kernels: grouped Q4 8-token tiles, one pass). The block's
-        // token rows and group sums for all its k-steps go to shared memory at once, each k-step
-        // laid out as a stage's ([kt]: token rows [BN][BS_STRIDE] bf16; after all of them, [kt]:
-        // group sums [BN][2] f32). Each warp then streams its own 16 weight rows, one contiguous
-        // 1 KB unit (and 128 bytes of scale/bias words) per k-step, from global memory into
-        // registers two k-steps ahead of their use: no weight passes through shared memory, and
-        // the loop has no barrier. The products are q4_kstep's on the same words.
-        static_assert(FMT == FMT_Q4 && BN == 8 && MT == 1 && NT == 1 && !CLUSTER && !WG, "_ld: grouped Q4 8-token tiles");
+        // Direct weight loads (the _ld kernels: Q4, grouped 8-token tiles in one pass or dense
+        // 32-token tiles in K parts). The block's token rows and group sums for all its k-steps
+        // go to shared memory at once, each k-step laid out as a stage's ([kt]: token rows
+        // [BN][BS_STRIDE] bf16; after all of them, [kt]: group sums [BN][2] f32); then each warp
+        // streams its own 16 weight rows from global memory (q4_ld_loop). Not for two weights
+        // read as one (m1 > 0): the host never asks.
+        static_assert(FMT == FMT_Q4 && (BN == 8 || BN == 32) && MT == 1 && !WG, "_ld: Q4 8- or 32-token tiles");
         constexpr int BB = BN * BS_STRIDE * 2;  // bytes of a k-step's token rows
         const u32 bsm = smem_u32(smem), xsm = bsm + nk * BB;
         {
-            // Thread: token (tid / 16) % 8, 16-byte chunk tid % 16 of k-steps tid / 128, + 2, ...;
-            // group sums: thread i < nk · BN those of k-step i / BN, token i % BN.
-            const int tk = (threadIdx.x >> 4) & 7, ch = threadIdx.x & 15;
-            const bool ok = tk < count;
-            const i64 row = ok ? (x_rows ? x_rows[start + tk] : start + tk) : 0;
-            const unsigned char* src = (const unsigned char*)a.x + row * a.kpad * 2 + (i64)kt0 * 256 + ch * 16;
-            for (int kt = threadIdx.x >> 7; kt < nk; kt += 2) cp_async16(smem + kt * BB + tk * BS_STRIDE * 2 + ch * 16, src + kt * 256, ok);
+            // Thread: 16-byte chunk tid % 16 of token rows (tid / 16) % BN and (its + 16) % BN
+            // (BN 32: both in turn; BN 8: one) of every k-step it reaches; group sums: thread
+            // i < nk · BN those of k-step i / BN, token i % BN.
+            const int ch = threadIdx.x & 15, tka = (threadIdx.x >> 4) % BN, tkb = (tka + 16) % BN;
+            auto src = [&](int tk) {
+                const i64 row = tk < count ? (x_rows ? x_rows[start + tk] : start + tk) : 0;
+                return (const unsigned char*)a.x + row * a.kpad * 2 + (i64)kt0 * 256 + ch * 16;
+            };
+            const unsigned char* sa = src(tka);
+            const unsigned char* sb = src(tkb);
+            for (int i = threadIdx.x; i < nk * BN * 16; i += 256) {
+                const int tk = (i >> 4) % BN, kt = (i >> 4) / BN;
+                const bool first = tk == tka;
+                cp_async16(smem + kt * BB + tk * BS_STRIDE * 2 + ch * 16, (first ? sa : sb) + kt * 256, tk < count);
+            }
             for (int i = threadIdx.x; i < nk * BN; i += 256) {
                 const int t = i % BN;
                 const bool okx = t < count;
@@ -694,45 +762,13 @@ DEVI void gemm_body(const GemmArgs& a) {
         const int rr = PAIR ? (row0 & (BM / 2 - 1)) : row0;
         const bool hi = PAIR && row0 >= BM / 2;
         const int r0 = rr + g < mrem ? g : 0, r1 = rr + g + 8 < mrem ? g + 8 : 0;
-        const unsigned char* pa = (const unsigned char*)(hi ? W2 : W) + q4_offset(wrow0 + rr, kt0, a.kpad) + t4 * 16;
-        const unsigned char* ps = (const unsigned char*)(hi ? SB2 : SB) + q4_sb_offset(wrow0 + rr, kt0, a.kpad);
-        const int oa0 = r0 * 64, oa1 = r1 * 64, os0 = r0 * 8, os1 = r1 * 8;
-        uint4 ra[3][2];
-        uint2 rs[3][2];
-        auto fetch = [&](int b, int kt) {
-            if (kt < nk) {
-                ra[b][0] = ldg_nc((const uint4*)(pa + oa0));
-                ra[b][1] = ldg_nc((const uint4*)(pa + oa1));
-                rs[b][0] = ldg_nc2((const uint2*)(ps + os0));
-                rs[b][1] = ldg_nc2((const uint2*)(ps + os1));
-                pa += Q4_UNIT;
-                ps += Q4_SB_UNIT;
-            }
-        };
-        // q4_kstep's lane addresses: B rows (lane & 7, k half (lane >> 3) & 1), sums of tokens 2 t4, 2 t4 + 1.
-        const u32 b_at = bsm + ((lane & 7) * BS_STRIDE + ((lane >> 3) & 1) * 8) * 2, x_at = xsm + 2 * t4 * 8;
-        auto step = [&](int b, int kt) {
-            uint4 A0[1] = {ra[b][0]}, A1[1] = {ra[b][1]};
-            uint2 SB0[1] = {rs[b][0]}, SB1[1] = {rs[b][1]};
-            const uint4 v = lds128_at(x_at + kt * BN * 8);
-            float4 X[1] = {make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w))};
-            q4_groups<1, 1, 1, true>(tot, A0, A1, SB0, SB1, X, b_at + kt * BB, [](int) {});
-        };
-        fetch(0, 0);
-        fetch(1, 1);
-        cp_async_wait<0>();
-        __syncthreads();  // everyone's token rows and sums have landed
-#pragma unroll 1
-        for (int kt = 0; kt < nk; kt += 3) {
-            fetch(2, kt + 2);
-            step(0, kt);
-            if (kt + 1 >= nk) break;
-            fetch(0, kt + 3);
-            step(1, kt + 1);
-            if (kt + 2 >= nk) break;
-            fetch(1, kt + 4);
-            step(2, kt + 2);
-        }
+        const Q4Rows w{(const unsigned char*)(hi ? W2 : W) + q4_offset(wrow0 + rr, kt0, a.kpad) + t4 * 16,
+                       (const unsigned char*)(hi ? SB2 : SB) + q4_sb_offset(wrow0 + rr, kt0, a.kpad), r0 * 64, r1 * 64, r0 * 8, r1 * 8};
+        // The tile's tokens in the fewest n8 tiles that hold them (block-uniform).
+        if constexpr (BN == 8) q4_ld_loop<BN, 1>(tot, w, bsm, xsm, nk, lane);
+        else if (count > 16) q4_ld_loop<BN, BN / 8>(tot, w, bsm, xsm, nk, lane);
+        else if (count > 8) q4_ld_loop<BN, 2>(tot, w, bsm, xsm, nk, lane);
+        else q4_ld_loop<BN, 1>(tot, w, bsm, xsm, nk, lane);
     } else if constexpr (WG) {
         // Two k-steps per barrier (the k-step barrier bounded these kernels: each warpgroup
         // waits for its wgmma): k-steps kt and kt + 1 are computed while kt + 2 and kt + 3 load
@@ -929,12 +965,14 @@ GEMM_KERNEL_KC(gemm_bf16_n64_kc, FMT_BF16, 64, false, 2)
 GEMM_KERNEL_KC(gemm_bf16_pair_n64_kc, FMT_BF16, 64, true, 2)
 GEMM_KERNEL_KC(gemm_bf16_n128_kc, FMT_BF16, 128, false, 1)
 GEMM_KERNEL_KC(gemm_bf16_pair_n128_kc, FMT_BF16, 128, true, 1)
-// Grouped Q4 8-token tiles with each warp's weights loaded straight into registers: 64
-// registers, four blocks per SM (ops::gemm::GEMM_LD_SMEM_MAX).
-#define GEMM_KERNEL_LD(name, PAIR) \
-    extern "C" __global__ void __launch_bounds__(256, 4) name(const GemmArgs a) { gemm_body<FMT_Q4, 8, PAIR, false, false, true>(a); }
-GEMM_KERNEL_LD(gemm_q4_n8_ld, false)
-GEMM_KERNEL_LD(gemm_q4_pair_n8_ld, true)
+// Q4 tiles with each warp's weights loaded straight into registers (ops::gemm::gemm_ld): grouped
+// 8-token tiles (64 registers, four blocks per SM) and dense 32-token tiles in K parts summed in
+// clusters (two blocks per SM).
+#define GEMM_KERNEL_LD(name, BN, PAIR, CLUSTER, MINB) \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const GemmArgs a) { gemm_body<FMT_Q4, BN, PAIR, CLUSTER, false, true>(a); }
+GEMM_KERNEL_LD(gemm_q4_n8_ld, 8, false, false, 4)
+GEMM_KERNEL_LD(gemm_q4_pair_n8_ld, 8, true, false, 4)
+GEMM_KERNEL_LD(gemm_q4_n32_kc_ld, 32, false, true, 2)
 GEMM_KERNEL_WG(gemm_q4_n64_wg, 64, false, false)
 GEMM_KERNEL_WG(gemm_q4_pair_n64_wg, 64, true, false)
 GEMM_KERNEL_WG(gemm_q4_n64_kc_wg, 64, false, true)

@@ -73,6 +73,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gemm_q4_pair_n8",
             "gemm_q4_n8_ld",
             "gemm_q4_pair_n8_ld",
+            "gemm_q4_n32_kc_ld",
             "gemm_q4_n32",
             "gemm_q4_pair_n32",
             "gemm_bf16_n32",

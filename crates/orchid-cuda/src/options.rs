@@ -90,8 +90,9 @@ pub struct Tuning {
     /// The Q4 GEMMs of 64-token tiles on Hopper's warpgroup MMA (`ops::gemm::gemm_wgmma`, the
     /// `_wg` kernels, compute capability 9.0); false: the mma.sync kernels.
     pub gemm_wgmma: bool,
-    /// The experts' grouped Q4 GEMMs of 8-token tiles with each warp's weights loaded straight
-    /// into registers (`ops::gemm::gemm_direct`, the `_ld` kernels); false: the cp.async pipeline.
+    /// Q4 GEMMs with each warp's weights loaded straight into registers (`ops::gemm::gemm_ld`,
+    /// the `_ld` kernels: the experts' 8-token tiles, dense 32-token tiles split in clusters);
+    /// false: the cp.async pipeline.
     pub gemm_direct: bool,
 }
 

@@ -205,22 +205,28 @@ pub fn gemm_wgmma(c: &Ctx, fmt: WFormat, bn: usize) -> bool {
     c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && bn == 64
 }
 
-/// Dynamic shared memory of the `_ld` kernels (grouped Q4 8-token tiles, weights loaded into
-/// registers) for padded K `kpad`: the tile's token rows and group sums for every k-step
+/// Dynamic shared memory of an `_ld` kernel (weights loaded straight into registers) of token
+/// tile `bn` whose blocks take `ksteps` k-steps: their token rows and group sums
 /// (kernels/gemm.cu, "direct weight loads"), or the epilogue's C tile if larger.
-pub fn gemm_ld_smem(kpad: usize) -> usize {
-    ((kpad / 128) * (8 * 136 * 2 + 8 * 2 * 4)).max(8 * (128 + 4) * 4)
+pub fn gemm_ld_smem(bn: usize, ksteps: usize) -> usize {
+    (ksteps * (bn * 136 * 2 + bn * 2 * 4)).max(bn * (128 + 4) * 4)
 }
 
-/// Most shared memory an `_ld` block may take: four blocks per SM, as the kernels' registers
-/// are bounded for.
-pub const GEMM_LD_SMEM_MAX: usize = 55 * 1024;
+/// Most shared memory an `_ld` block of `bn` tokens may take: four blocks per SM for the 8-token
+/// tile, two for the 32-token one, as the kernels' registers are bounded for.
+pub fn gemm_ld_smem_max(bn: usize) -> usize {
+    if bn == 8 { 55 * 1024 } else { 112 * 1024 }
+}
 
-/// Whether a grouped GEMM runs on the `_ld` kernels: Q4 experts in 8-token tiles whose token rows
-/// fit `GEMM_LD_SMEM_MAX`, unless `Tuning::gemm_direct` is off. Each output is the same sum of
-/// the same mma and scale steps in the same order as in the pipelined 8-token kernels.
-pub fn gemm_direct(c: &Ctx, fmt: WFormat, bn: usize, kpad: usize) -> bool {
-    c.tuning.gemm_direct && fmt == WFormat::Q4 && bn == 8 && gemm_ld_smem(kpad) <= GEMM_LD_SMEM_MAX
+/// The dynamic shared memory of the `_ld` kernel that runs a Q4 GEMM of token tile `bn` over
+/// `ksteps` k-steps per block, if one does (unless `Tuning::gemm_direct` is off): grouped 8-token
+/// tiles in one pass (the experts at batched decode), and dense 32-token tiles whose K parts
+/// are summed in clusters (projections of 9–32 tokens), where the token rows fit. Each output is
+/// the same sum of the same mma and scale steps in the same order as in the pipelined kernels.
+pub fn gemm_ld(c: &Ctx, fmt: WFormat, bn: usize, grouped: bool, cluster: bool, ksteps: usize) -> Option<usize> {
+    let shape = if grouped { bn == 8 && !cluster } else { bn == 32 && cluster };
+    let smem = gemm_ld_smem(bn, ksteps);
+    (c.tuning.gemm_direct && fmt == WFormat::Q4 && shape && smem <= gemm_ld_smem_max(bn)).then_some(smem)
 }
 
 /// Grouped tiles: (tile table, device count, upper bound of tiles, the table's tile width), and
@@ -411,9 +417,11 @@ pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) 
         ..Default::default()
     };
     let wg = gemm_wgmma(c, w.fmt, bn);
-    let name = gemm_kernel(w.fmt, false, bn, true, wg, false);
+    let ld = gemm_ld(c, w.fmt, bn, false, true, (w.kpad / 128).div_ceil(kparts));
+    let name = gemm_kernel(w.fmt, false, bn, true, wg, ld.is_some());
     let grid = (rb as u32, t.div_ceil(bn) as u32, kparts as u32);
-    c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, gemm_smem(w.fmt, bn, wg) as u32, &a)?;
+    let smem = ld.unwrap_or_else(|| gemm_smem(w.fmt, bn, wg));
+    c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, smem as u32, &a)?;
     Ok(true)
 }
 
@@ -550,11 +558,16 @@ fn gemm_launch(
         seg: Default::default(),
     };
     let wg = gemm_wgmma(c, w.fmt, bn);
-    let ld = grouped.is_some() && gemm_direct(c, w.fmt, bn, w.kpad);
-    let name = gemm_kernel(w.fmt, pair, bn, cluster, wg, ld);
+    // Direct weight loads: not for a dense pair or two weights read as one (no such kernels).
+    let ld = if grouped.is_some() || (!pair && concat.is_none()) {
+        gemm_ld(c, w.fmt, bn, grouped.is_some(), cluster, (w.kpad / 128).div_ceil(kparts))
+    } else {
+        None
+    };
+    let name = gemm_kernel(w.fmt, pair, bn, cluster, wg, ld.is_some());
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     let grid = (gx as u32, gy as u32, kparts as u32);
-    let smem = if ld { gemm_ld_smem(w.kpad) } else { gemm_smem(w.fmt, bn, wg) } as u32;
+    let smem = ld.unwrap_or_else(|| gemm_smem(w.fmt, bn, wg)) as u32;
     if cluster {
         return c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, smem, &a);
     }
@@ -632,11 +645,15 @@ mod tests {
         assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, false, false), "gemm_bf16_n128");
         assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, true, false), "gemm_q4_pair_n64_kc_wg");
         assert_eq!(gemm_kernel(WFormat::Q4, true, 8, false, false, true), "gemm_q4_pair_n8_ld");
-        // The _ld kernels' token rows: the experts' K (2,048 and 512) fit four blocks per SM;
-        // 4,096 does not (the pipelined kernel takes it).
-        assert_eq!((gemm_ld_smem(2048), gemm_ld_smem(512), gemm_ld_smem(128)), (35840, 8960, 4224));
-        assert!(gemm_ld_smem(3072) <= GEMM_LD_SMEM_MAX && gemm_ld_smem(4096) > GEMM_LD_SMEM_MAX);
-        const { assert!(4 * (GEMM_LD_SMEM_MAX + 1024) <= 228 * 1024) };
+        assert_eq!(gemm_kernel(WFormat::Q4, false, 32, true, false, true), "gemm_q4_n32_kc_ld");
+        // The _ld kernels' token rows: the experts' K (2,048 and 512) fit four blocks per SM,
+        // 4,096 does not (the pipelined kernel takes it); a dense 32-token K part of 4 k-steps
+        // (the split projections' 512 columns) fits two.
+        assert_eq!((gemm_ld_smem(8, 16), gemm_ld_smem(8, 4), gemm_ld_smem(8, 1)), (35840, 8960, 4224));
+        assert!(gemm_ld_smem(8, 24) <= gemm_ld_smem_max(8) && gemm_ld_smem(8, 32) > gemm_ld_smem_max(8));
+        assert_eq!(gemm_ld_smem(32, 4), 35840);
+        assert!(gemm_ld_smem(32, 12) <= gemm_ld_smem_max(32) && gemm_ld_smem(32, 13) > gemm_ld_smem_max(32));
+        assert!(4 * (gemm_ld_smem_max(8) + 1024) <= 228 * 1024 && 2 * (gemm_ld_smem_max(32) + 1024) <= 228 * 1024);
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn, false);
         assert_eq!(gemm_smem(WFormat::Q4, 64, true), 107520); // 4 stages of 26 KB + 1 KB
