@@ -358,6 +358,17 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
     gemm_launch(c, w, None, Some(w2), x, 0, t, None, out, ldo, 0, kparts, false)
 }
 
+/// The kernel a GEMM launch runs and its dynamic shared memory: format, gate/up pair, token
+/// tile, split-K in clusters, grouped, two weights read as one (`gemm_concat`), and k-steps per
+/// block. Warpgroup MMA where `gemm_wgmma` allows; direct weight loads where `gemm_ld` does,
+/// but not for a dense pair or two weights read as one (no such kernels).
+#[allow(clippy::too_many_arguments)]
+fn gemm_pick(c: &Ctx, fmt: WFormat, pair: bool, bn: usize, cluster: bool, grouped: bool, concat: bool, ksteps: usize) -> (String, usize) {
+    let wg = gemm_wgmma(c, fmt, bn);
+    let ld = if grouped || (!pair && !concat) { gemm_ld(c, fmt, bn, grouped, cluster, ksteps) } else { None };
+    (gemm_kernel(fmt, pair, bn, cluster, wg, ld.is_some()), ld.unwrap_or_else(|| gemm_smem(fmt, bn, wg)))
+}
+
 /// The GEMM kernel of a format, gate/up pair or not, token tile, split-K form (`cluster`: the
 /// _kc kernels, whose K parts are summed in the kernel's epilogue, which writes `out` as one pass
 /// would), tensor-core instruction (`wg`: warpgroup MMA, `gemm_wgmma`) and weight path (`ld`:
@@ -416,11 +427,8 @@ pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) 
         seg,
         ..Default::default()
     };
-    let wg = gemm_wgmma(c, w.fmt, bn);
-    let ld = gemm_ld(c, w.fmt, bn, false, true, (w.kpad / 128).div_ceil(kparts));
-    let name = gemm_kernel(w.fmt, false, bn, true, wg, ld.is_some());
+    let (name, smem) = gemm_pick(c, w.fmt, false, bn, true, false, false, (w.kpad / 128).div_ceil(kparts));
     let grid = (rb as u32, t.div_ceil(bn) as u32, kparts as u32);
-    let smem = ld.unwrap_or_else(|| gemm_smem(w.fmt, bn, wg));
     c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, smem as u32, &a)?;
     Ok(true)
 }
@@ -557,17 +565,10 @@ fn gemm_launch(
         alt_sb2: alt.map_or(0, |x| x.sb2),
         seg: Default::default(),
     };
-    let wg = gemm_wgmma(c, w.fmt, bn);
-    // Direct weight loads: not for a dense pair or two weights read as one (no such kernels).
-    let ld = if grouped.is_some() || (!pair && concat.is_none()) {
-        gemm_ld(c, w.fmt, bn, grouped.is_some(), cluster, (w.kpad / 128).div_ceil(kparts))
-    } else {
-        None
-    };
-    let name = gemm_kernel(w.fmt, pair, bn, cluster, wg, ld.is_some());
+    let (name, smem) = gemm_pick(c, w.fmt, pair, bn, cluster, grouped.is_some(), concat.is_some(), (w.kpad / 128).div_ceil(kparts));
+    let smem = smem as u32;
     let gy = grouped.as_ref().map_or(t.div_ceil(bn), |g| g.max_tiles);
     let grid = (gx as u32, gy as u32, kparts as u32);
-    let smem = ld.unwrap_or_else(|| gemm_smem(w.fmt, bn, wg)) as u32;
     if cluster {
         return c.k(&name).launch_cluster(&c.gpu, grid, (1, 1, kparts as u32), 256, smem, &a);
     }

@@ -412,14 +412,13 @@ fn profile(
     let dec = pg.profile_summary()?;
     drop(pg);
     state.free(slot);
-    let table = profile_table;
     Ok(json!({
         "prefill_tokens": len,
         "prefill_context": context,
         "prefill_wall_ms": wall,
-        "prefill": table(&format!("prefill {len} tokens after {context} (eager)"), &pre, wall),
+        "prefill": profile_table(&format!("prefill {len} tokens after {context} (eager)"), &pre, wall),
         "decode_step_wall_ms": step_ms,
-        "decode": table(&format!("decode step at {} (graph with timing events)", context + len), &dec, step_ms),
+        "decode": profile_table(&format!("decode step at {} (graph with timing events)", context + len), &dec, step_ms),
     }))
 }
 
