@@ -109,6 +109,26 @@ DEVI void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// TF32 halves of x for 3xTF32 products: hi = x rounded to TF32, lo = (x − hi) rounded to TF32.
+DEVI void tf32_split(float x, u32& hi, u32& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+
+DEVI void mma_tf32(float* c, const u32* a, const u32* b) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c += a·b of one m16n8k8 tile to about f32 precision (3xTF32): lo·hi + hi·lo + hi·hi, the small
+// products first (lo·lo, below f32's rounding, is left out).
+DEVI void mma_3xtf32(float* c, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
+    mma_tf32(c, al, bh);
+    mma_tf32(c, ah, bl);
+    mma_tf32(c, ah, bh);
+}
+
 DEVI u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // Loads at a 32-bit shared address (smem_u32): with the address written as one base plus

@@ -414,6 +414,191 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
     for (int i = tid; i < dk * cw; i += 256) S[(i64)(i / cw) * dv + col0 + i % cw] = Ss[(i / cw) * VS + i % cw];
 }
 
+// gdn_chunk_scan on tensor cores, for dk a multiple of 16 and cw = 32 state columns per block:
+// the same three phases and the same cp.async pipeline, each product as m16n8k8 TF32 MMAs in
+// three parts (mma_3xtf32: about f32 precision); the state stays f32 in shared memory, Vn and the
+// outputs are summed in f32. Warps of phases A and B: rows 16·(w % 4).. of the chunk, state
+// columns 16·(w / 4)..; phase C: state rows 16·w.. (+128, ...), all 32 columns. Row strides
+// (floats) keep every fragment load free of bank conflicts: W and Q dk + 4 (rows g, columns t),
+// K dk + 8 (read transposed), S, Vn and U 40, QK 68. Launch as gdn_chunk_scan, grid (Hv, dv/32).
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkArgs a) {
+    extern __shared__ __align__(16) float sm[];
+    const int j = blockIdx.x, col0 = blockIdx.y * 32, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tg = lane & 3;  // fragment row group and thread in group
+    const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk, n = a.nchunks;
+    const int c_begin = a.chunk0, c_end = a.chunk1;
+    const int WS = dk + 4, KS = dk + 8, VS = 40, QS = CHUNK + 4;
+    float* Ss = sm;                // [dk][VS]
+    float* Vn = Ss + dk * VS;      // [64][VS]
+    float* Ub = Vn + CHUNK * VS;   // [64][VS]
+    float* Wb = Ub + CHUNK * VS;   // [64][WS]
+    float* Qb = Wb + CHUNK * WS;   // [64][WS]
+    float* Kb = Qb + CHUNK * WS;   // [64][KS]
+    float* QKb = Kb + CHUNK * KS;  // [64][QS]
+    float* gam = QKb + CHUNK * QS; // [64]
+    float* fac = gam + CHUNK;      // [64]
+    const i64 E = (i64)CHUNK * (dk + dv + CHUNK + 1);
+    const float* G0 = (const float*)a.scratch + (i64)j * n * E;
+    const float* X = (const float*)a.x;
+    float* S = (float*)a.state + (i64)j * dk * dv;
+    const int kq = dk / 4;
+    auto load_x = [&](float* buf, int stride, int col, int c) {
+        const int t0 = c * CHUNK, L = min(CHUNK, a.T - t0);
+        for (int i = tid; i < CHUNK * kq; i += 256) {
+            const int r = i / kq, q = i % kq;
+            const bool ok = r < L;
+            cp_async16(buf + r * stride + 4 * q, X + (i64)(ok ? t0 + r : 0) * a.C + col + 4 * q, ok);
+        }
+    };
+    auto load_a = [&](int c) {
+        const float* G = G0 + c * E;
+        for (int i = tid; i < CHUNK * kq; i += 256) {
+            const int r = i / kq, q = i % kq;
+            cp_async16(Wb + r * WS + 4 * q, G + r * dk + 4 * q, true);
+        }
+        for (int i = tid; i < CHUNK * 8; i += 256) {
+            const int r = i / 8, q = i % 8;
+            cp_async16(Ub + r * VS + 4 * q, G + CHUNK * dk + r * dv + col0 + 4 * q, true);
+        }
+        load_x(Qb, WS, kh * dk, c);
+    };
+    auto load_b = [&](int c) {
+        const float* G = G0 + c * E + CHUNK * (dk + dv);
+        for (int i = tid; i < CHUNK * (CHUNK / 4); i += 256) {
+            const int r = i / (CHUNK / 4), q = i % (CHUNK / 4);
+            cp_async16(QKb + r * QS + 4 * q, G + r * CHUNK + 4 * q, true);
+        }
+        if (tid < CHUNK / 4) cp_async16(gam + 4 * tid, G + CHUNK * CHUNK + 4 * tid, true);
+    };
+    for (int i = tid; i < dk * 32; i += 256) Ss[(i / 32) * VS + i % 32] = S[(i64)(i / 32) * dv + col0 + i % 32];
+    if (c_begin < c_end) load_a(c_begin);
+    cp_async_commit();
+    if (c_begin < c_end) load_b(c_begin);
+    cp_async_commit();
+    const int mt = warp & 3, ra = 16 * mt + g, cb = 16 * (warp >> 2);  // phases A, B: rows ra, ra + 8
+    for (int c = c_begin; c < c_end; ++c) {
+        const int t0 = c * CHUNK, L = min(CHUNK, a.T - t0);
+        cp_async_wait<1>();  // W, U, Q of chunk c (pending: QK, γ of chunk c)
+        __syncthreads();     // and phase C of chunk c−1 is done: S complete, K buffer free
+        load_x(Kb, KS, key_dim + kh * dk, c);
+        cp_async_commit();
+        // A: Vn = U − W·S and qs = Q·S (kept in registers for phase B).
+        float vw[2][4] = {}, qs[2][4] = {};
+        for (int k0 = 0; k0 < dk; k0 += 8) {
+            u32 wh[4], wl[4], qh[4], ql[4];
+            const float* w = Wb + ra * WS + k0 + tg;
+            const float* q = Qb + ra * WS + k0 + tg;
+            tf32_split(w[0], wh[0], wl[0]);
+            tf32_split(w[8 * WS], wh[1], wl[1]);
+            tf32_split(w[4], wh[2], wl[2]);
+            tf32_split(w[8 * WS + 4], wh[3], wl[3]);
+            tf32_split(q[0], qh[0], ql[0]);
+            tf32_split(q[8 * WS], qh[1], ql[1]);
+            tf32_split(q[4], qh[2], ql[2]);
+            tf32_split(q[8 * WS + 4], qh[3], ql[3]);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const float* s = Ss + (k0 + tg) * VS + cb + 8 * nt + g;
+                u32 bh[2], bl[2];
+                tf32_split(s[0], bh[0], bl[0]);
+                tf32_split(s[4 * VS], bh[1], bl[1]);
+                mma_3xtf32(vw[nt], wh, wl, bh, bl);
+                mma_3xtf32(qs[nt], qh, ql, bh, bl);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int o = (ra + 8 * h) * VS + cb + 8 * nt + 2 * tg;
+                const float2 u = *(const float2*)(Ub + o);
+                *(float2*)(Vn + o) = make_float2(u.x - vw[nt][2 * h], u.y - vw[nt][2 * h + 1]);
+            }
+        cp_async_wait<1>();  // QK, γ of chunk c (pending: K of chunk c)
+        __syncthreads();     // Vn complete; W, U, Q buffers free
+        if (c + 1 < c_end) load_a(c + 1);
+        cp_async_commit();
+        // B: O_i = e^{γ_i} q_i·S + Σ_{m≤i} QK[i][m] Vn_m (QK is zero above the diagonal: the
+        // rows of m-tile mt need m < 16·(mt + 1)); the decay factors of phase C.
+        float el;
+        {
+            float qv[2][4] = {};
+            for (int k0 = 0; k0 < 16 * (mt + 1); k0 += 8) {
+                u32 ah[4], al[4];
+                const float* p = QKb + ra * QS + k0 + tg;
+                tf32_split(p[0], ah[0], al[0]);
+                tf32_split(p[8 * QS], ah[1], al[1]);
+                tf32_split(p[4], ah[2], al[2]);
+                tf32_split(p[8 * QS + 4], ah[3], al[3]);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const float* v = Vn + (k0 + tg) * VS + cb + 8 * nt + g;
+                    u32 bh[2], bl[2];
+                    tf32_split(v[0], bh[0], bl[0]);
+                    tf32_split(v[4 * VS], bh[1], bl[1]);
+                    mma_3xtf32(qv[nt], ah, al, bh, bl);
+                }
+            }
+            const float gl = gam[L - 1];
+            el = expf(gl);
+            if (tid < CHUNK) fac[tid] = tid < L ? expf(gl - gam[tid]) : 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int i = ra + 8 * h;
+                if (i < L) {
+                    const float eg = expf(gam[i]);
+                    float* orow = (float*)a.out + (i64)(t0 + i) * a.Hv * dv + j * dv + col0 + cb + 2 * tg;
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt)
+                        *(float2*)(orow + 8 * nt) = make_float2(eg * qs[nt][2 * h] + qv[nt][2 * h], eg * qs[nt][2 * h + 1] + qv[nt][2 * h + 1]);
+                }
+            }
+        }
+        cp_async_wait<1>();  // K of chunk c (pending: W, U, Q of chunk c+1)
+        __syncthreads();     // fac written; QK, γ buffers free
+        if (c + 1 < c_end) load_b(c + 1);
+        cp_async_commit();
+        // C: S ← e^{γ_last} S + Σ_{m<L} (e^{γ_last−γ_m} k_m) ⊗ Vn_m; rows m ≥ L add zeros (fac = 0).
+        const int mend = (L + 7) & ~7;
+        for (int d0 = 16 * warp; d0 < dk; d0 += 128) {
+            float acc[4][4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float2 s = *(const float2*)(Ss + (d0 + g + 8 * h) * VS + 8 * nt + 2 * tg);
+                    acc[nt][2 * h] = el * s.x;
+                    acc[nt][2 * h + 1] = el * s.y;
+                }
+            for (int k0 = 0; k0 < mend; k0 += 8) {
+                const float f0 = fac[k0 + tg], f1 = fac[k0 + tg + 4];
+                const float* k = Kb + (k0 + tg) * KS + d0 + g;
+                u32 ah[4], al[4];
+                tf32_split(f0 * k[0], ah[0], al[0]);
+                tf32_split(f0 * k[8], ah[1], al[1]);
+                tf32_split(f1 * k[4 * KS], ah[2], al[2]);
+                tf32_split(f1 * k[4 * KS + 8], ah[3], al[3]);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    const float* v = Vn + (k0 + tg) * VS + 8 * nt + g;
+                    u32 bh[2], bl[2];
+                    tf32_split(v[0], bh[0], bl[0]);
+                    tf32_split(v[4 * VS], bh[1], bl[1]);
+                    mma_3xtf32(acc[nt], ah, al, bh, bl);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *(float2*)(Ss + (d0 + g + 8 * h) * VS + 8 * nt + 2 * tg) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int i = tid; i < dk * 32; i += 256) S[(i64)(i / 32) * dv + col0 + i % 32] = Ss[(i / 32) * VS + i % 32];
+}
+
 // out[t, j·dv + c] = w[c] · core / rms(core over the head) · silu(z). One warp per (t, head).
 extern "C" __global__ void __launch_bounds__(128) gdn_gated_norm(const GNormArgs a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -94,6 +94,9 @@ pub struct Tuning {
     /// the `_ld` kernels: the experts' 8-token tiles, dense 32-token tiles split in clusters);
     /// false: the cp.async pipeline.
     pub gemm_direct: bool,
+    /// The GDN chunk scan's products on tensor cores (`ops::deltanet::scan_on_tensor_cores`,
+    /// 3xTF32) where its dims allow; false: f32 FMAs.
+    pub gdn_scan_tc: bool,
 }
 
 impl Default for Tuning {
@@ -117,6 +120,7 @@ impl Default for Tuning {
             gemm_each: true,
             gemm_wgmma: true,
             gemm_direct: true,
+            gdn_scan_tc: true,
         }
     }
 }
@@ -147,6 +151,7 @@ impl Tuning {
             gemm_each: self.gemm_each,
             gemm_wgmma: self.gemm_wgmma,
             gemm_direct: self.gemm_direct,
+            gdn_scan_tc: self.gdn_scan_tc,
         }
     }
 }
@@ -178,6 +183,7 @@ mod tests {
             gemm_each: false,
             gemm_wgmma: false,
             gemm_direct: false,
+            gdn_scan_tc: false,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

@@ -791,6 +791,45 @@ fn deltanet_chunked_prefill_equals_token_by_token() {
     report("deltanet state after chunked == after decode", rel_l2(&n0, &n1), 2e-3);
 }
 
+/// The chunk scan on tensor cores (3xTF32, `gdn_chunk_scan_tc`) against the f32 FMA scan: outputs
+/// of a 130-token and a 4,097-token span (two prep + scan pieces, a partial last chunk) and the
+/// state after them (one more token each), for the 35B's GDN shape and a small one. 3xTF32 keeps
+/// about f32 precision: relative L2 within 1e-5 (a single TF32 product would be ~1e-3).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deltanet_scan_tensor_cores_match_fma() {
+    let g = gpu();
+    let fma = g.with_tuning(&orchid_cuda::Tuning { gdn_scan_tc: false, ..Default::default() }).unwrap();
+    let mut rng = Rng::new(6);
+    for (hk, hv, dk, dv) in [(16, 32, 128, 128), (2, 4, 64, 32)] {
+        let cfg = config(64, 64, 1, (2, 1, 64), (hk, hv, dk, dv), (4, 2, 64, 0), 1000);
+        let dims = cfg.deltanet.clone();
+        let (cdim, kc) = (dims.conv_dim(), dims.conv_kernel);
+        let vecs =
+            [rng.vec(cdim * kc, 0.5), (0..hv).map(|_| (1.0 + 7.5 * (rng.next() + 1.0)).ln()).collect(), rng.vec(hv, 0.5), vec![1.0; dv]];
+        let gv: Vec<_> = vecs.iter().map(|v| g.upload_vector(v).unwrap()).collect();
+        for t in [130, 4097] {
+            let n1 = t + 1;
+            let (qkv, z, b, a) = (rng.vec(n1 * cdim, 1.0), rng.vec(n1 * hv * dv, 2.0), rng.vec(n1 * hv, 2.0), rng.vec(n1 * hv, 2.0));
+            // Tokens 0..t as one span, then token t (its output reads the state the span left).
+            let run = |be: &CudaBackend| {
+                let mut st = be.new_state(&cfg, StateOptions::new(1, 8192)).unwrap();
+                let slot = st.alloc().unwrap();
+                [(0, t), (t, n1)].map(|(lo, hi)| {
+                    let r = |v: &[f32], w: usize| up(be, hi - lo, w, &v[lo * w..hi * w]);
+                    let gt = [r(&qkv, cdim), r(&z, hv * dv), r(&b, hv), r(&a, hv)];
+                    let o = be.deltanet(gdn_inputs(&gt, &gv), &dims, 1e-6, 0, &BatchLayout::single(slot, lo, hi - lo), &mut st);
+                    host(be, &o.unwrap())
+                })
+            };
+            let (tc, f) = (run(&g), run(&fma));
+            let name = format!("deltanet scan tensor cores == FMA Hv={hv} dk={dk} dv={dv} T={t}");
+            report(&name, rel_l2(&tc[0], &f[0]), 1e-5);
+            report(&format!("{name}, the state after"), rel_l2(&tc[1], &f[1]), 1e-5);
+        }
+    }
+}
+
 /// A snapshot captured inside a prefill span (`StatePool::capture_at`): the scan of the span runs
 /// in launches that stop at each capture's chunk (a copy of the state between them), then goes on.
 /// Checked bit for bit, for the 35B's GDN shape and a small one: (1) outputs and final conv and

@@ -169,6 +169,19 @@ pub fn chunk_scan_smem(dk: usize, cw: usize) -> usize {
     (dk * (cw + 4) + 2 * CHUNK * (cw + 4) + 3 * CHUNK * (dk + 4) + CHUNK * (CHUNK + 4) + 2 * CHUNK) * 4
 }
 
+/// Dynamic shared memory of `gdn_chunk_scan_tc` (32 state columns a block): S, Vn and U
+/// [..][40], W and Q [64][dk+4], K [64][dk+8], QK [64][68], γ and the decay factors.
+pub fn chunk_scan_tc_smem(dk: usize) -> usize {
+    (dk * 40 + 2 * CHUNK * 40 + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4) + 2 * CHUNK) * 4
+}
+
+/// Whether the chunk scan of these dims runs on tensor cores (`gdn_chunk_scan_tc`, unless
+/// `Tuning::gdn_scan_tc` is off): dk a multiple of 16, 32 state columns per block (dv a
+/// multiple of 32), and its shared memory within the 227 KB of a block.
+pub fn scan_on_tensor_cores(c: &Ctx, dk: usize, cw: usize) -> bool {
+    c.tuning.gdn_scan_tc && dk.is_multiple_of(16) && cw == 32 && chunk_scan_tc_smem(dk) <= 227 * 1024
+}
+
 pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()> {
     // Decode: a block holds all dk rows of cw = dv/DECODE_SPLIT columns, rg = 256/cw row groups.
     let cw = dv / DECODE_SPLIT;
@@ -208,9 +221,15 @@ pub fn chunk_prep(c: &Ctx, a: &ChunkArgs) -> Result<()> {
 /// order on the state. Consecutive ranges in separate launches compute bit for bit what one
 /// launch over all of them does, the state in memory between them being the state after the
 /// first range.
+/// Where the dims allow it (`scan_on_tensor_cores`) the products run on tensor cores
+/// (`gdn_chunk_scan_tc`, 3xTF32: about f32 precision, not the same bits).
 pub fn chunk_scan(c: &Ctx, a: &ChunkArgs) -> Result<()> {
     let (dk, dv, cw) = (a.dk as usize, a.dv as usize, a.cw as usize);
-    c.k("gdn_chunk_scan").launch(&c.gpu, (a.hv as u32, (dv / cw) as u32, 1), 256, chunk_scan_smem(dk, cw) as u32, a)
+    let grid = (a.hv as u32, (dv / cw) as u32, 1);
+    if scan_on_tensor_cores(c, dk, cw) {
+        return c.k("gdn_chunk_scan_tc").launch(&c.gpu, grid, 256, chunk_scan_tc_smem(dk) as u32, a);
+    }
+    c.k("gdn_chunk_scan").launch(&c.gpu, grid, 256, chunk_scan_smem(dk, cw) as u32, a)
 }
 
 pub fn gated_norm(c: &Ctx, a: &GNormArgs) -> Result<()> {
@@ -391,6 +410,7 @@ mod tests {
         assert_eq!(chunk_scratch_bytes(32, 128, 128, 4096), 32 * 64 * 64 * (128 + 128 + 65) * 4);
         assert_eq!(chunk_prep_smem(128, 128), 83_968);
         assert_eq!(chunk_scan_smem(128, 32), 156_160);
+        assert_eq!(chunk_scan_tc_smem(128), 161_280);
         // q/k/W rows are moved in 16-byte pieces.
         assert!(check_dims(30, 32, 184, 4).is_err());
         // dk = 192 with 32-column slices still fits the scan; the prep fits every dk, dv ≤ 256.
