@@ -109,10 +109,11 @@ DEVI void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// TF32 halves of x for 3xTF32 products: hi = x rounded to TF32, lo = (x − hi) rounded to TF32.
+// TF32 halves of x for 3xTF32 products: hi = x rounded to TF32 (half an ulp added, the low 13
+// bits cleared: finite x), lo = x − hi (exact; the MMA reads its top 19 bits, error ≤ 2^-21·|x|).
 DEVI void tf32_split(float x, u32& hi, u32& lo) {
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 DEVI void mma_tf32(float* c, const u32* a, const u32* b) {

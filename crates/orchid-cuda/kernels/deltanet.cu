@@ -414,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
     for (int i = tid; i < dk * cw; i += 256) S[(i64)(i / cw) * dv + col0 + i % cw] = Ss[(i / cw) * VS + i % cw];
 }
 
-// gdn_chunk_scan on tensor cores, for dk a multiple of 16 and cw = 32 state columns per block:
+// gdn_chunk_scan on tensor cores, for dk a power of two ≥ 16 and cw = 32 state columns per block:
 // the same three phases and the same cp.async pipeline, each product as m16n8k8 TF32 MMAs in
 // three parts (mma_3xtf32: about f32 precision); the state stays f32 in shared memory, Vn and the
 // outputs are summed in f32. Warps of phases A and B: rows 16·(w % 4).. of the chunk, state
@@ -441,33 +441,25 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
     const float* G0 = (const float*)a.scratch + (i64)j * n * E;
     const float* X = (const float*)a.x;
     float* S = (float*)a.state + (i64)j * dk * dv;
-    const int kq = dk / 4;
+    // Rows of dk floats in 16-byte pieces: a thread copies piece kp of rows kr, kr + kstep, ...
+    // (dk a power of two: 256 threads cover whole rows).
+    const int kq = dk / 4, kp = tid % kq, kr = tid / kq, kstep = 256 / kq;
     auto load_x = [&](float* buf, int stride, int col, int c) {
         const int t0 = c * CHUNK, L = min(CHUNK, a.T - t0);
-        for (int i = tid; i < CHUNK * kq; i += 256) {
-            const int r = i / kq, q = i % kq;
+        for (int r = kr; r < CHUNK; r += kstep) {
             const bool ok = r < L;
-            cp_async16(buf + r * stride + 4 * q, X + (i64)(ok ? t0 + r : 0) * a.C + col + 4 * q, ok);
+            cp_async16(buf + r * stride + 4 * kp, X + (i64)(ok ? t0 + r : 0) * a.C + col + 4 * kp, ok);
         }
     };
     auto load_a = [&](int c) {
         const float* G = G0 + c * E;
-        for (int i = tid; i < CHUNK * kq; i += 256) {
-            const int r = i / kq, q = i % kq;
-            cp_async16(Wb + r * WS + 4 * q, G + r * dk + 4 * q, true);
-        }
-        for (int i = tid; i < CHUNK * 8; i += 256) {
-            const int r = i / 8, q = i % 8;
-            cp_async16(Ub + r * VS + 4 * q, G + CHUNK * dk + r * dv + col0 + 4 * q, true);
-        }
+        for (int r = kr; r < CHUNK; r += kstep) cp_async16(Wb + r * WS + 4 * kp, G + r * dk + 4 * kp, true);
+        for (int r = tid / 8; r < CHUNK; r += 32) cp_async16(Ub + r * VS + 4 * (tid % 8), G + CHUNK * dk + r * dv + col0 + 4 * (tid % 8), true);
         load_x(Qb, WS, kh * dk, c);
     };
     auto load_b = [&](int c) {
         const float* G = G0 + c * E + CHUNK * (dk + dv);
-        for (int i = tid; i < CHUNK * (CHUNK / 4); i += 256) {
-            const int r = i / (CHUNK / 4), q = i % (CHUNK / 4);
-            cp_async16(QKb + r * QS + 4 * q, G + r * CHUNK + 4 * q, true);
-        }
+        for (int r = tid / 16; r < CHUNK; r += 16) cp_async16(QKb + r * QS + 4 * (tid % 16), G + r * CHUNK + 4 * (tid % 16), true);
         if (tid < CHUNK / 4) cp_async16(gam + 4 * tid, G + CHUNK * CHUNK + 4 * tid, true);
     };
     for (int i = tid; i < dk * 32; i += 256) Ss[(i / 32) * VS + i % 32] = S[(i64)(i / 32) * dv + col0 + i % 32];

@@ -176,10 +176,10 @@ pub fn chunk_scan_tc_smem(dk: usize) -> usize {
 }
 
 /// Whether the chunk scan of these dims runs on tensor cores (`gdn_chunk_scan_tc`, unless
-/// `Tuning::gdn_scan_tc` is off): dk a multiple of 16, 32 state columns per block (dv a
-/// multiple of 32), and its shared memory within the 227 KB of a block.
+/// `Tuning::gdn_scan_tc` is off): dk a power of two from 16 on, 32 state columns per block (dv
+/// a multiple of 32), and its shared memory within the 227 KB of a block.
 pub fn scan_on_tensor_cores(c: &Ctx, dk: usize, cw: usize) -> bool {
-    c.tuning.gdn_scan_tc && dk.is_multiple_of(16) && cw == 32 && chunk_scan_tc_smem(dk) <= 227 * 1024
+    c.tuning.gdn_scan_tc && dk >= 16 && dk.is_power_of_two() && cw == 32 && chunk_scan_tc_smem(dk) <= 227 * 1024
 }
 
 pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()> {
