@@ -122,13 +122,22 @@ DEVI void mma_tf32(float* c, const u32* a, const u32* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// c += a·b of one m16n8k8 tile to about f32 precision (3xTF32): lo·hi + hi·lo + hi·hi, the small
-// products first (lo·lo, below f32's rounding, is left out).
-DEVI void mma_3xtf32(float* c, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
-    mma_tf32(c, al, bh);
-    mma_tf32(c, ah, bl);
-    mma_tf32(c, ah, bh);
-}
+// An m16n8k8 tile summed to about f32 precision from TF32 halves (3xTF32): hi·hi, hi·lo and lo·hi
+// (lo·lo, below f32's rounding, is left out) in three accumulators, so that the MMAs of one k-step
+// do not wait on each other; value(e) adds them, the small ones first.
+struct Tf32x3 {
+    float hh[4], hl[4], lh[4];
+    DEVI void zero() {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hh[e] = hl[e] = lh[e] = 0.f;
+    }
+    DEVI void mma(const u32* ah, const u32* al, const u32* bh, const u32* bl) {
+        mma_tf32(lh, al, bh);
+        mma_tf32(hl, ah, bl);
+        mma_tf32(hh, ah, bh);
+    }
+    DEVI float value(int e) const { return hh[e] + (hl[e] + lh[e]); }
+};
 
 DEVI u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 

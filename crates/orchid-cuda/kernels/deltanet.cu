@@ -416,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
 
 // gdn_chunk_scan on tensor cores, for dk a power of two ≥ 16 and cw = 32 state columns per block:
 // the same three phases and the same cp.async pipeline, each product as m16n8k8 TF32 MMAs in
-// three parts (mma_3xtf32: about f32 precision); the state stays f32 in shared memory, Vn and the
+// three parts (Tf32x3: about f32 precision); the state stays f32 in shared memory, Vn and the
 // outputs are summed in f32. Warps of phases A and B: rows 16·(w % 4).. of the chunk, state
 // columns 16·(w / 4)..; phase C: state rows 16·w.. (+128, ...), all 32 columns. Row strides
 // (floats) keep every fragment load free of bank conflicts: W and Q dk + 4 (rows g, columns t),
@@ -475,7 +475,10 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
         load_x(Kb, KS, key_dim + kh * dk, c);
         cp_async_commit();
         // A: Vn = U − W·S and qs = Q·S (kept in registers for phase B).
-        float vw[2][4] = {}, qs[2][4] = {};
+        Tf32x3 vw[2], qs[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) vw[nt].zero(), qs[nt].zero();
+#pragma unroll 2
         for (int k0 = 0; k0 < dk; k0 += 8) {
             u32 wh[4], wl[4], qh[4], ql[4];
             const float* w = Wb + ra * WS + k0 + tg;
@@ -494,8 +497,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
                 u32 bh[2], bl[2];
                 tf32_split(s[0], bh[0], bl[0]);
                 tf32_split(s[4 * VS], bh[1], bl[1]);
-                mma_3xtf32(vw[nt], wh, wl, bh, bl);
-                mma_3xtf32(qs[nt], qh, ql, bh, bl);
+                vw[nt].mma(wh, wl, bh, bl);
+                qs[nt].mma(qh, ql, bh, bl);
             }
         }
 #pragma unroll
@@ -504,7 +507,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
             for (int h = 0; h < 2; ++h) {
                 const int o = (ra + 8 * h) * VS + cb + 8 * nt + 2 * tg;
                 const float2 u = *(const float2*)(Ub + o);
-                *(float2*)(Vn + o) = make_float2(u.x - vw[nt][2 * h], u.y - vw[nt][2 * h + 1]);
+                *(float2*)(Vn + o) = make_float2(u.x - vw[nt].value(2 * h), u.y - vw[nt].value(2 * h + 1));
             }
         cp_async_wait<1>();  // QK, γ of chunk c (pending: K of chunk c)
         __syncthreads();     // Vn complete; W, U, Q buffers free
@@ -514,7 +517,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
         // rows of m-tile mt need m < 16·(mt + 1)); the decay factors of phase C.
         float el;
         {
-            float qv[2][4] = {};
+            Tf32x3 qv[2];
+            qv[0].zero(), qv[1].zero();
             for (int k0 = 0; k0 < 16 * (mt + 1); k0 += 8) {
                 u32 ah[4], al[4];
                 const float* p = QKb + ra * QS + k0 + tg;
@@ -528,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
                     u32 bh[2], bl[2];
                     tf32_split(v[0], bh[0], bl[0]);
                     tf32_split(v[4 * VS], bh[1], bl[1]);
-                    mma_3xtf32(qv[nt], ah, al, bh, bl);
+                    qv[nt].mma(ah, al, bh, bl);
                 }
             }
             const float gl = gam[L - 1];
@@ -542,7 +546,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
                     float* orow = (float*)a.out + (i64)(t0 + i) * a.Hv * dv + j * dv + col0 + cb + 2 * tg;
 #pragma unroll
                     for (int nt = 0; nt < 2; ++nt)
-                        *(float2*)(orow + 8 * nt) = make_float2(eg * qs[nt][2 * h] + qv[nt][2 * h], eg * qs[nt][2 * h + 1] + qv[nt][2 * h + 1]);
+                        *(float2*)(orow + 8 * nt) =
+                            make_float2(eg * qs[nt].value(2 * h) + qv[nt].value(2 * h), eg * qs[nt].value(2 * h + 1) + qv[nt].value(2 * h + 1));
                 }
             }
         }
@@ -553,15 +558,18 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
         // C: S ← e^{γ_last} S + Σ_{m<L} (e^{γ_last−γ_m} k_m) ⊗ Vn_m; rows m ≥ L add zeros (fac = 0).
         const int mend = (L + 7) & ~7;
         for (int d0 = 16 * warp; d0 < dk; d0 += 128) {
-            float acc[4][4];
+            Tf32x3 acc[4];
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
+            for (int nt = 0; nt < 4; ++nt) {
+                acc[nt].zero();
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float2 s = *(const float2*)(Ss + (d0 + g + 8 * h) * VS + 8 * nt + 2 * tg);
-                    acc[nt][2 * h] = el * s.x;
-                    acc[nt][2 * h + 1] = el * s.y;
+                    acc[nt].hh[2 * h] = el * s.x;
+                    acc[nt].hh[2 * h + 1] = el * s.y;
                 }
+            }
+#pragma unroll 2
             for (int k0 = 0; k0 < mend; k0 += 8) {
                 const float f0 = fac[k0 + tg], f1 = fac[k0 + tg + 4];
                 const float* k = Kb + (k0 + tg) * KS + d0 + g;
@@ -576,14 +584,14 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
                     u32 bh[2], bl[2];
                     tf32_split(v[0], bh[0], bl[0]);
                     tf32_split(v[4 * VS], bh[1], bl[1]);
-                    mma_3xtf32(acc[nt], ah, al, bh, bl);
+                    acc[nt].mma(ah, al, bh, bl);
                 }
             }
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    *(float2*)(Ss + (d0 + g + 8 * h) * VS + 8 * nt + 2 * tg) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+                    *(float2*)(Ss + (d0 + g + 8 * h) * VS + 8 * nt + 2 * tg) = make_float2(acc[nt].value(2 * h), acc[nt].value(2 * h + 1));
         }
     }
     cp_async_wait<0>();
