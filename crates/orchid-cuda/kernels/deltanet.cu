@@ -107,12 +107,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
     float* QKg = Ug + CHUNK * dv;
     float* Gg = QKg + CHUNK * CHUNK;
     const float* X = (const float*)a.x;
-    for (int i = tid; i < CHUNK * dk; i += 256) {
-        int r = i / dk, d = i % dk;
-        bool ok = r < L;
-        const float* row = X + (i64)(t0 + r) * a.C;
-        Xs[r * XS + d] = ok ? row[kh * dk + d] : 0.f;
-        Ks[r * KS + d] = ok ? row[key_dim + kh * dk + d] : 0.f;
+    // The chunk's q and k rows (zero past L) in 16-byte pieces, four of each in flight per thread.
+    const int kq = dk / 4;
+    for (int i0 = 0; i0 < CHUNK * kq; i0 += 4 * 256) {
+        float4 vq[4], vk[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * 256 + tid, r = i / kq, d = 4 * (i % kq);
+            const bool ok = i < CHUNK * kq && r < L;
+            const float* row = X + (i64)(t0 + (ok ? r : 0)) * a.C + kh * dk + d;
+            vq[u] = ok ? *(const float4*)row : make_float4(0.f, 0.f, 0.f, 0.f);
+            vk[u] = ok ? *(const float4*)(row + key_dim) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * 256 + tid, r = i / kq, d = 4 * (i % kq);
+            if (i < CHUNK * kq) {
+                float *xq = Xs + r * XS + d, *xk = Ks + r * KS + d;
+                xq[0] = vq[u].x, xq[1] = vq[u].y, xq[2] = vq[u].z, xq[3] = vq[u].w;
+                xk[0] = vk[u].x, xk[1] = vk[u].y, xk[2] = vk[u].z, xk[3] = vk[u].w;
+            }
+        }
     }
     if (tid < CHUNK) {
         bet[tid] = tid < L ? ((const float*)a.beta)[(i64)(t0 + tid) * a.Hv + j] : 0.f;
@@ -171,64 +186,57 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
     }
     __syncthreads();
     // V over Q (rows ≥ L zero, and they stay zero: the substitution only writes rows < L).
-    for (int i = tid; i < CHUNK * dv; i += 256) {
-        int r = i / dv, c = i % dv;
-        Xs[r * XS + c] = r < L ? X[(i64)(t0 + r) * a.C + 2 * key_dim + j * dv + c] : 0.f;
+    const int vq4 = dv / 4;
+    for (int i0 = 0; i0 < CHUNK * vq4; i0 += 4 * 256) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * 256 + tid, r = i / vq4, c = 4 * (i % vq4);
+            const bool ok = i < CHUNK * vq4 && r < L;
+            v[u] = ok ? *(const float4*)(X + (i64)(t0 + r) * a.C + 2 * key_dim + j * dv + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * 256 + tid, r = i / vq4, c = 4 * (i % vq4);
+            if (i < CHUNK * vq4) {
+                float* xv = Xs + r * XS + c;
+                xv[0] = v[u].x, xv[1] = v[u].y, xv[2] = v[u].z, xv[3] = v[u].w;
+            }
+        }
     }
     __syncthreads();
     // Forward substitution, U over V and W over K: u_i = β_i v_i − Σ_{m<i} A[i][m] u_m (W: β_i e^{γ_i}
-    // k_i − ...). A thread owns four of the dv + dk columns (no barrier between rows) and walks them
-    // in blocks of 8 rows: the block first takes the terms of all earlier rows (8 + 4 loads per 32
-    // FMAs), then the terms within the block; every element subtracts m = 0, 1, ..., i−1 in order.
-    // Rows ≥ L are not written (they stay zero).
-    {
-        const int quarter = (dv + dk) / 4;
-        for (int cp = tid; cp < quarter; cp += 256) {
-            float* col[4];
-            int cs[4];
-            bool isw[4];
+    // k_i − ...). A thread owns one of the dv + dk columns (no barrier between rows; all 256 threads
+    // busy for the 35B's 256 columns) and walks it in blocks of 8 rows: the block first takes the
+    // terms of all earlier rows (two broadcast loads of A and one of the column per 8 FMAs), then
+    // the terms within the block; every element subtracts m = 0, 1, ..., i−1 in order. Rows ≥ L
+    // are not written (they stay zero).
+    for (int c = tid; c < dv + dk; c += 256) {
+        const bool isw = c >= dv;
+        float* col = isw ? Ks + (c - dv) : Xs + c;
+        const int cs = isw ? KS : XS;
+        for (int i0 = 0; i0 < L; i0 += 8) {
+            float acc[8];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int c = cp + q * quarter;
-                isw[q] = c >= dv;
-                col[q] = isw[q] ? Ks + (c - dv) : Xs + c;
-                cs[q] = isw[q] ? KS : XS;
+            for (int r = 0; r < 8; ++r) {
+                const int i = i0 + r;
+                acc[r] = (isw ? bet[i] * expf(gam[i]) : bet[i]) * col[i * cs];
             }
-            for (int i0 = 0; i0 < L; i0 += 8) {
-                float acc[8][4];
+#pragma unroll 2
+            for (int m = 0; m < i0; ++m) {
+                const float4 a0 = *(const float4*)(At + m * AS + i0), a1 = *(const float4*)(At + m * AS + i0 + 4);
+                const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const float u = col[m * cs];
 #pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    const int i = i0 + r;
-                    const float bw = bet[i] * expf(gam[i]);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[r][q] = (isw[q] ? bw : bet[i]) * col[q][i * cs[q]];
-                }
-                for (int m = 0; m < i0; ++m) {
-                    const float4 a0 = *(const float4*)(At + m * AS + i0), a1 = *(const float4*)(At + m * AS + i0 + 4);
-                    const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                    float u[4];
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) u[q] = col[q][m * cs[q]];
-#pragma unroll
-                    for (int r = 0; r < 8; ++r)
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) acc[r][q] -= av[r] * u[q];
-                }
-#pragma unroll
-                for (int r = 1; r < 8; ++r)
-#pragma unroll
-                    for (int r2 = 0; r2 < r; ++r2) {
-                        const float av = At[(i0 + r2) * AS + i0 + r];
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) acc[r][q] -= av * acc[r2][q];
-                    }
-#pragma unroll
-                for (int r = 0; r < 8; ++r)
-                    if (i0 + r < L) {
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) col[q][(i0 + r) * cs[q]] = acc[r][q];
-                    }
+                for (int r = 0; r < 8; ++r) acc[r] -= av[r] * u;
             }
+#pragma unroll
+            for (int r = 1; r < 8; ++r)
+#pragma unroll
+                for (int r2 = 0; r2 < r; ++r2) acc[r] -= At[(i0 + r2) * AS + i0 + r] * acc[r2];
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                if (i0 + r < L) col[(i0 + r) * cs] = acc[r];
         }
     }
     __syncthreads();
