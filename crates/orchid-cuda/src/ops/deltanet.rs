@@ -169,6 +169,9 @@ pub fn chunk_scan_smem(dk: usize, cw: usize) -> usize {
     (dk * (cw + 4) + 2 * CHUNK * (cw + 4) + 3 * CHUNK * (dk + 4) + CHUNK * (CHUNK + 4) + 2 * CHUNK) * 4
 }
 
+/// Most dynamic shared memory one block of the chunked-prefill kernels may take (sm_90).
+const BLOCK_SMEM_MAX: usize = 227 * 1024;
+
 /// Dynamic shared memory of `gdn_chunk_scan_tc` (32 state columns a block): S, Vn and U
 /// [..][40], W and Q [64][dk+4], K [64][dk+8], QK [64][68], γ and the decay factors.
 pub fn chunk_scan_tc_smem(dk: usize) -> usize {
@@ -179,7 +182,7 @@ pub fn chunk_scan_tc_smem(dk: usize) -> usize {
 /// `Tuning::gdn_scan_tc` is off): dk a power of two from 16 on, 32 state columns per block (dv
 /// a multiple of 32), and its shared memory within the 227 KB of a block.
 pub fn scan_on_tensor_cores(c: &Ctx, dk: usize, cw: usize) -> bool {
-    c.tuning.gdn_scan_tc && dk >= 16 && dk.is_power_of_two() && cw == 32 && chunk_scan_tc_smem(dk) <= 227 * 1024
+    c.tuning.gdn_scan_tc && dk >= 16 && dk.is_power_of_two() && cw == 32 && chunk_scan_tc_smem(dk) <= BLOCK_SMEM_MAX
 }
 
 pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()> {
@@ -195,7 +198,8 @@ pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()
         && (1..=64).contains(&kc)
         && decode_smem(dk, dv, kc) <= 96 * 1024;
     // Chunked prefill: 16-byte rows of q/k/W (cp.async, float4), both kernels' shared memory.
-    let chunk_ok = dk.is_multiple_of(4) && chunk_prep_smem(dk, dv) <= 227 * 1024 && chunk_scan_smem(dk, chunk_cols(dv)) <= 227 * 1024;
+    let chunk_ok =
+        dk.is_multiple_of(4) && chunk_prep_smem(dk, dv) <= BLOCK_SMEM_MAX && chunk_scan_smem(dk, chunk_cols(dv)) <= BLOCK_SMEM_MAX;
     if !ok || !chunk_ok || conv_dim == 0 {
         return Err(Error::Op { op: "deltanet", msg: format!("GDN head dims dk {dk} / dv {dv} are not supported on CUDA") });
     }
@@ -221,6 +225,7 @@ pub fn chunk_prep(c: &Ctx, a: &ChunkArgs) -> Result<()> {
 /// order on the state. Consecutive ranges in separate launches compute bit for bit what one
 /// launch over all of them does, the state in memory between them being the state after the
 /// first range.
+///
 /// Where the dims allow it (`scan_on_tensor_cores`) the products run on tensor cores
 /// (`gdn_chunk_scan_tc`, 3xTF32: about f32 precision, not the same bits).
 pub fn chunk_scan(c: &Ctx, a: &ChunkArgs) -> Result<()> {
@@ -414,7 +419,7 @@ mod tests {
         // q/k/W rows are moved in 16-byte pieces.
         assert!(check_dims(30, 32, 184, 4).is_err());
         // dk = 192 with 32-column slices still fits the scan; the prep fits every dk, dv ≤ 256.
-        assert!(chunk_scan_smem(192, chunk_cols(64)) <= 227 * 1024);
-        assert!(chunk_prep_smem(256, 256) <= 227 * 1024);
+        assert!(chunk_scan_smem(192, chunk_cols(64)) <= BLOCK_SMEM_MAX);
+        assert!(chunk_prep_smem(256, 256) <= BLOCK_SMEM_MAX);
     }
 }
