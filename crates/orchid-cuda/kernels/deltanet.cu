@@ -88,15 +88,15 @@ DEVI void gdn_chunk_fma4(float* acc, const float4 w, const float4* s) {
 
 // Per (value head j, chunk): γ = cumsum of g over the chunk; A[i][m] = β_i (k_i·k_m) e^{γ_i−γ_m}
 // (m < i), QK[i][m] = (q_i·k_m) e^{γ_i−γ_m} (m ≤ i); forward substitution (I + A) U = βV,
-// (I + A) W = β e^γ K, in place over V and K. grid = (nchunks, Hv), block 256, 2 blocks per SM.
-// Shared-memory loads (one 32-bit register per lane per cycle per SM) bound this kernel, so both
-// products are register-tiled; every output keeps the summation order of the row-by-row form.
+// (I + A) W = β e^γ K, in place over V and K. grid = (nchunks, Hv), block 256, 2 blocks per SM;
+// dk a multiple of 8. K·Kᵀ and Q·Kᵀ run on tensor cores (3xTF32: about f32 precision); the
+// substitution keeps the order of terms of the row-by-row form.
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkArgs a) {
     extern __shared__ __align__(16) float sm[];
-    const int ch = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
+    const int ch = blockIdx.x, j = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk;
     const int t0 = ch * CHUNK, L = min(CHUNK, a.T - t0);
-    const int KS = dk + 1, XS = max(dk, dv) + 1, AS = CHUNK + 4;
+    const int KS = dk + 4, XS = max(dk, dv) + 4, AS = CHUNK + 4;  // 16-byte rows
     float* Ks = sm;                  // [64][KS]  K, then W
     float* Xs = Ks + CHUNK * KS;     // [64][XS]  Q, then V, then U
     float* At = Xs + CHUNK * XS;     // [64][AS]  Aᵀ: At[m][i] = A[i][m], m < i (the rest is never read)
@@ -123,9 +123,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
         for (int u = 0; u < 4; ++u) {
             const int i = i0 + u * 256 + tid, r = i / kq, d = 4 * (i % kq);
             if (i < CHUNK * kq) {
-                float *xq = Xs + r * XS + d, *xk = Ks + r * KS + d;
-                xq[0] = vq[u].x, xq[1] = vq[u].y, xq[2] = vq[u].z, xq[3] = vq[u].w;
-                xk[0] = vk[u].x, xk[1] = vk[u].y, xk[2] = vk[u].z, xk[3] = vk[u].w;
+                *(float4*)(Xs + r * XS + d) = vq[u];
+                *(float4*)(Ks + r * KS + d) = vk[u];
             }
         }
     }
@@ -140,49 +139,53 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
         for (int i = 0; i < CHUNK; ++i) { acc += gam[i]; gam[i] = acc; }
     }
     __syncthreads();
-    // A and QK on the 136 4x4 tiles on or below the diagonal, one per thread (tile rows p and
-    // 15 − p paired: 17 tiles per pair); QK goes straight to the scratch (float4 rows), Aᵀ to
-    // shared memory. The QK tiles above the diagonal are zero.
-    if (tid < 136) {
-        const int p = tid / 17, k = tid % 17;
-        const int i0 = 4 * (k <= p ? p : 15 - p), m0 = 4 * (k <= p ? k : k - p - 1);
-        float kk[4][4], qk[4][4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) kk[r][c] = qk[r][c] = 0.f;
-        for (int d = 0; d < dk; ++d) {
-            float ki[4], qi[4], km[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                ki[r] = Ks[(i0 + r) * KS + d];
-                qi[r] = Xs[(i0 + r) * XS + d];
-                km[r] = Ks[(m0 + r) * KS + d];
+    // K·Kᵀ (warps 0-3) and Q·Kᵀ (warps 4-7) on tensor cores (Tf32x3), over the 20 m16n8 tiles that
+    // touch the diagonal or lie below it (row block mi, column block nj ≤ 2·mi + 1), five per warp.
+    // Then A[i][m] = β_i (k_i·k_m) e^{γ_i−γ_m} (m < i) into Aᵀ in shared memory, QK[i][m] =
+    // (q_i·k_m) e^{γ_i−γ_m} (m ≤ i, else 0) to the scratch.
+    {
+        const int g = lane >> 2, tg = lane & 3;
+        const bool isq = warp >= 4;
+        const float* As = isq ? Xs : Ks;
+        const int AST = isq ? XS : KS;
+        for (int t = warp & 3; t < 20; t += 4) {
+            const int mi = t >= 12 ? 3 : t >= 6 ? 2 : t >= 2 ? 1 : 0, nj = t - mi * (mi + 1);
+            const int i = 16 * mi + g, m = 8 * nj + 2 * tg;  // this lane's rows i, i + 8, columns m, m + 1
+            Tf32x3 acc;
+            acc.zero();
+#pragma unroll 4
+            for (int k0 = 0; k0 < dk; k0 += 8) {
+                const float* pa = As + i * AST + k0 + tg;
+                const float* pb = Ks + (8 * nj + g) * KS + k0 + tg;
+                u32 ah[4], al[4], bh[2], bl[2];
+                tf32_split(pa[0], ah[0], al[0]);
+                tf32_split(pa[8 * AST], ah[1], al[1]);
+                tf32_split(pa[4], ah[2], al[2]);
+                tf32_split(pa[8 * AST + 4], ah[3], al[3]);
+                tf32_split(pb[0], bh[0], bl[0]);
+                tf32_split(pb[4], bh[1], bl[1]);
+                acc.mma(ah, al, bh, bl);
             }
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
+            for (int h = 0; h < 2; ++h) {
+                const int ii = i + 8 * h;
+                float o[2];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    kk[r][c] += ki[r] * km[c];
-                    qk[r][c] += qi[r] * km[c];
+                for (int e = 0; e < 2; ++e) {
+                    const int mm = m + e;
+                    const float dec = mm <= ii ? expf(gam[ii] - gam[mm]) : 0.f;
+                    const float v = acc.value(2 * h + e);
+                    if (isq) o[e] = mm <= ii ? v * dec : 0.f;
+                    else At[mm * AS + ii] = mm < ii ? bet[ii] * v * dec : 0.f;
                 }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            float o[4];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                int i = i0 + r, m = m0 + c;
-                float dec = m <= i ? expf(gam[i] - gam[m]) : 0.f;
-                At[m * AS + i] = m < i ? bet[i] * kk[r][c] * dec : 0.f;
-                o[c] = m <= i ? qk[r][c] * dec : 0.f;
+                if (isq) *(float2*)(QKg + ii * CHUNK + m) = make_float2(o[0], o[1]);
             }
-            *(float4*)(QKg + (i0 + r) * CHUNK + m0) = make_float4(o[0], o[1], o[2], o[3]);
         }
     }
+    // QK above the row block's last tile column is zero.
     for (int idx = tid; idx < CHUNK * CHUNK / 4; idx += 256) {
         const int i = idx / (CHUNK / 4), g = idx % (CHUNK / 4);
-        if (g > i / 4) *(float4*)(QKg + i * CHUNK + 4 * g) = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (g >= 4 * (i / 16 + 1)) *(float4*)(QKg + i * CHUNK + 4 * g) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     __syncthreads();
     // V over Q (rows ≥ L zero, and they stay zero: the substitution only writes rows < L).
@@ -198,10 +201,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int i = i0 + u * 256 + tid, r = i / vq4, c = 4 * (i % vq4);
-            if (i < CHUNK * vq4) {
-                float* xv = Xs + r * XS + c;
-                xv[0] = v[u].x, xv[1] = v[u].y, xv[2] = v[u].z, xv[3] = v[u].w;
-            }
+            if (i < CHUNK * vq4) *(float4*)(Xs + r * XS + c) = v[u];
         }
     }
     __syncthreads();
@@ -240,8 +240,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
         }
     }
     __syncthreads();
-    for (int i = tid; i < CHUNK * dk; i += 256) Wg[i] = Ks[(i / dk) * KS + i % dk];
-    for (int i = tid; i < CHUNK * dv; i += 256) Ug[i] = Xs[(i / dv) * XS + i % dv];
+    for (int i = tid; i < CHUNK * kq; i += 256) {
+        const int r = i / kq, d = 4 * (i % kq);
+        *(float4*)(Wg + r * dk + d) = *(const float4*)(Ks + r * KS + d);
+    }
+    for (int i = tid; i < CHUNK * vq4; i += 256) {
+        const int r = i / vq4, c = 4 * (i % vq4);
+        *(float4*)(Ug + r * dv + c) = *(const float4*)(Xs + r * XS + c);
+    }
     if (tid < CHUNK) Gg[tid] = gam[tid];
 }
 

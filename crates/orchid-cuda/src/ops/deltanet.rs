@@ -157,10 +157,10 @@ pub fn chunk_scratch_bytes(hv: usize, dk: usize, dv: usize, t: usize) -> usize {
     hv * chunk_count(t) * CHUNK * (dk + dv + CHUNK + 1) * 4
 }
 
-/// Dynamic shared memory of `gdn_chunk_prep`: K/W [64][dk+1], Q/V/U [64][max(dk,dv)+1],
+/// Dynamic shared memory of `gdn_chunk_prep`: K/W [64][dk+4], Q/V/U [64][max(dk,dv)+4],
 /// Aᵀ [64][68], β and γ.
 pub fn chunk_prep_smem(dk: usize, dv: usize) -> usize {
-    (CHUNK * (dk + 1) + CHUNK * (dk.max(dv) + 1) + CHUNK * (CHUNK + 4) + 2 * CHUNK) * 4
+    (CHUNK * (dk + 4) + CHUNK * (dk.max(dv) + 4) + CHUNK * (CHUNK + 4) + 2 * CHUNK) * 4
 }
 
 /// Dynamic shared memory of `gdn_chunk_scan`: S [dk][cw+4], Vn and U [64][cw+4], W, Q, K
@@ -197,9 +197,10 @@ pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()
         && 2 * dk + cw <= DECODE_CH_PER_THREAD * DECODE_THREADS
         && (1..=64).contains(&kc)
         && decode_smem(dk, dv, kc) <= 96 * 1024;
-    // Chunked prefill: 16-byte rows of q/k/W (cp.async, float4), both kernels' shared memory.
+    // Chunked prefill: 16-byte rows of q/k/W (cp.async, float4), the prep's k-steps of 8, both
+    // kernels' shared memory.
     let chunk_ok =
-        dk.is_multiple_of(4) && chunk_prep_smem(dk, dv) <= BLOCK_SMEM_MAX && chunk_scan_smem(dk, chunk_cols(dv)) <= BLOCK_SMEM_MAX;
+        dk.is_multiple_of(8) && chunk_prep_smem(dk, dv) <= BLOCK_SMEM_MAX && chunk_scan_smem(dk, chunk_cols(dv)) <= BLOCK_SMEM_MAX;
     if !ok || !chunk_ok || conv_dim == 0 {
         return Err(Error::Op { op: "deltanet", msg: format!("GDN head dims dk {dk} / dv {dv} are not supported on CUDA") });
     }
@@ -406,18 +407,19 @@ mod tests {
 
     #[test]
     fn chunked_prefill_shapes() {
-        // The 35B at 4,096 tokens: 64 chunks, 168 MB of scratch; prep 83,968 B (two blocks per
+        // The 35B at 4,096 tokens: 64 chunks, 168 MB of scratch; prep 85,504 B (two blocks per
         // SM), scan 156,160 B.
         assert_eq!(chunk_count(4096), 64);
         assert_eq!(chunk_count(4097), 65);
         assert_eq!(chunk_count(2), 1);
         assert_eq!(CHUNK_SPAN_MAX % CHUNK, 0);
         assert_eq!(chunk_scratch_bytes(32, 128, 128, 4096), 32 * 64 * 64 * (128 + 128 + 65) * 4);
-        assert_eq!(chunk_prep_smem(128, 128), 83_968);
+        assert_eq!(chunk_prep_smem(128, 128), 85_504);
         assert_eq!(chunk_scan_smem(128, 32), 156_160);
         assert_eq!(chunk_scan_tc_smem(128), 161_280);
-        // q/k/W rows are moved in 16-byte pieces.
+        // q/k/W rows are moved in 16-byte pieces, the prep's products in k-steps of 8.
         assert!(check_dims(30, 32, 184, 4).is_err());
+        assert!(check_dims(36, 32, 184, 4).is_err());
         // dk = 192 with 32-column slices still fits the scan; the prep fits every dk, dv ≤ 256.
         assert!(chunk_scan_smem(192, chunk_cols(64)) <= BLOCK_SMEM_MAX);
         assert!(chunk_prep_smem(256, 256) <= BLOCK_SMEM_MAX);
