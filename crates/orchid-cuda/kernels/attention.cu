@@ -564,8 +564,25 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_rows(const AttnAr
     attn_combine_body(row.attn(a0, D), D);
 }
 
+// A batched prefill launch (spans != 0, no split-KV) runs one sequence's span per grid z
+// (AttnSpan, built by layers.rs): its query, gate and output rows, block table, length and start.
+DEVI AttnArgs prefill_span(AttnArgs a) {
+    if (a.spans) {
+        const AttnSpan s = ((const AttnSpan*)a.spans)[blockIdx.z];
+        a.q = s.q;
+        a.gate = s.gate;
+        a.out = s.out;
+        a.table = s.table;
+        a.T = s.T;
+        a.start = s.start;
+    }
+    return a;
+}
+
 #define ATTN_KERNELS(D, TKP, TKD)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) attn_prefill_d##D(const AttnArgs a) {              \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_d##D(const AttnArgs a0) {             \
+        const AttnArgs a = prefill_span(a0);                                                             \
+        if ((int)blockIdx.x * 64 >= a.T * a.G) return; /* a shorter span of a batched launch */          \
         attn_prefill_body<D, TKP>(a);                                                                    \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_split_d##D(const AttnArgs a) {        \

@@ -6,14 +6,47 @@
 // KC-1 pre-conv rows [KC-1][C] in two buffers; a span starting at position p reads buffer p&1 and
 // writes buffer (p+len)&1, so no kernel overwrites what another block may still read.
 
+// A batched launch (spans != 0) runs one sequence's span per grid z (GdnSpan, built by
+// layers.rs): its rows of the step's tensors, its conv buffers, recurrent state and scratch.
+DEVI ConvArgs conv_span(ConvArgs a) {
+    if (a.spans) {
+        const GdnSpan s = ((const GdnSpan*)a.spans)[blockIdx.z];
+        a.x += (u64)s.row0 * a.ldx * 4;
+        a.out += (u64)s.row0 * a.C * 4;
+        a.state_in = s.conv_in;
+        a.state_out = s.conv_out;
+        a.T = s.T;
+    }
+    return a;
+}
+
+DEVI ChunkArgs chunk_span(ChunkArgs a) {
+    if (a.spans) {
+        const GdnSpan s = ((const GdnSpan*)a.spans)[blockIdx.z];
+        a.x += (u64)s.row0 * a.C * 4;
+        a.beta += (u64)s.row0 * a.Hv * 4;
+        a.gdec += (u64)s.row0 * a.Hv * 4;
+        a.out += (u64)s.row0 * a.Hv * a.dv * 4;
+        a.state = s.state;
+        a.scratch = s.scratch;
+        a.T = s.T;
+        a.nchunks = s.nchunks;
+        a.chunk0 = 0;
+        a.chunk1 = s.nchunks;
+    }
+    return a;
+}
+
 // out[t, ch] = silu(Σ_tap w[ch, tap] · window[t + tap]) over [state ; x]; writes the new state
 // (the last KC-1 window rows, also when T < KC-1). A thread takes one channel over CONV_TT
 // consecutive tokens, so each input value and weight is read once per thread (not KC times from
 // KC blocks) and all its loads are in flight together. grid = (ceil(C/256),
-// ceil(max(T, KC-1) / CONV_TT)) (ops/deltanet.rs CONV_TOKENS).
-extern "C" __global__ void __launch_bounds__(256) gdn_conv(const ConvArgs a) {
+// ceil(max(T, KC-1) / CONV_TT), spans) (ops/deltanet.rs CONV_TOKENS). state_out may be
+// state_in: a thread reads its channel's old window before it writes the new one.
+extern "C" __global__ void __launch_bounds__(256) gdn_conv(const ConvArgs a0) {
+    const ConvArgs a = conv_span(a0);
     const int ch = blockIdx.x * 256 + threadIdx.x, t0 = blockIdx.y * CONV_TT;
-    if (ch >= a.C) return;
+    if (ch >= a.C || t0 >= max(a.T, a.KC - 1)) return;
     const int KC = a.KC, C = a.C;
     const float* x = (const float*)a.x;
     const float* st = (const float*)a.state_in;
@@ -91,7 +124,9 @@ DEVI void gdn_chunk_fma4(float* acc, const float4 w, const float4* s) {
 // (I + A) W = β e^γ K, in place over V and K. grid = (nchunks, Hv), block 256, 2 blocks per SM;
 // dk a multiple of 8. K·Kᵀ and Q·Kᵀ run on tensor cores (3xTF32: about f32 precision); the
 // substitution keeps the order of terms of the row-by-row form.
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkArgs a) {
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkArgs a0) {
+    const ChunkArgs a = chunk_span(a0);
+    if ((int)blockIdx.x >= a.nchunks) return;  // a shorter span of a batched launch
     extern __shared__ __align__(16) float sm[];
     const int ch = blockIdx.x, j = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk;
@@ -263,7 +298,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(const ChunkA
 // chunk reads and writes is indexed by its number, and S goes through memory in f32 between two
 // launches, so launches over [0, c) and [c, n) compute bit for bit what one over [0, n) does
 // (layers.rs splits the scan where a snapshot is captured).
-extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs a) {
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs a0) {
+    const ChunkArgs a = chunk_span(a0);
     extern __shared__ __align__(16) float sm[];
     const int j = blockIdx.x, col0 = blockIdx.y * a.cw, cw = a.cw, tid = threadIdx.x;
     const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk, n = a.nchunks;
@@ -435,7 +471,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
 // columns 16·(w / 4)..; phase C: state rows 16·w.. (+128, ...), all 32 columns. Row strides
 // (floats) keep every fragment load free of bank conflicts: W and Q dk + 4 (rows g, columns t),
 // K dk + 8 (read transposed), S, Vn and U 40, QK 68. Launch as gdn_chunk_scan, grid (Hv, dv/32).
-extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkArgs a) {
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkArgs a0) {
+    const ChunkArgs a = chunk_span(a0);
     extern __shared__ __align__(16) float sm[];
     const int j = blockIdx.x, col0 = blockIdx.y * 32, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;  // fragment row group and thread in group

@@ -15,7 +15,7 @@ use crate::ops::moe_decode::{
     FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_route_up_rows, moe_up_rows,
 };
 use crate::ops::{attention as at, deltanet as dn, moe as mo};
-use crate::state::{CudaState, KV_BLOCK};
+use crate::state::{CaptureDst, CudaState, KV_BLOCK};
 use crate::{CudaBackend, CudaTensor};
 
 pub fn attention(
@@ -44,6 +44,9 @@ pub fn attention(
     let q_bf = DevBuf::alloc(b.gpu(), t_all * hq * d * 2)?;
     let inv_freq = b.inv_freq(dims.rope_theta, dims.rotary_dim)?;
     let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
+    // Spans of several tokens without split-KV: one prefill launch for all of them, after the loop.
+    let mut plain: Vec<at::AttnSpan> = Vec::new();
+    let mut plain_args = None;
     for (span, off) in batch.spans.iter().zip(batch.offsets()) {
         let have = state.slot(span.slot)?.attn_len[layer];
         if have != span.start {
@@ -105,19 +108,24 @@ pub fn attention(
             a.part_ml = part_ml.ptr;
             at::decode(c, &a, d, &p)?;
         } else {
-            // Few query tiles over a long context: split-KV (partials merged by a second kernel).
             let nsplit = at::prefill_splits(span.len, g, hkv, span.start, b.gpu().sms as usize, c.tuning.attn_prefill_splits);
-            let _parts = if nsplit > 1 {
-                let (no, nml) = at::prefill_parts(span.len, g, hkv, d, nsplit);
-                let bufs = (DevBuf::alloc(b.gpu(), no * 4)?, DevBuf::alloc(b.gpu(), nml * 4)?);
-                (a.nsplit, a.part_o, a.part_ml) = (nsplit as i32, bufs.0.ptr, bufs.1.ptr);
-                Some(bufs)
+            if nsplit <= 1 {
+                plain.push(at::AttnSpan { q: a.q, gate: a.gate, out: a.out, table: a.table, t: a.t, start: a.start });
+                plain_args = Some(a);
             } else {
-                None
-            };
-            at::prefill(c, &a, d)?;
+                // Few query tiles over a long context: split-KV (partials merged by a second kernel).
+                let (no, nml) = at::prefill_parts(span.len, g, hkv, d, nsplit);
+                let parts = (DevBuf::alloc(b.gpu(), no * 4)?, DevBuf::alloc(b.gpu(), nml * 4)?);
+                (a.nsplit, a.part_o, a.part_ml) = (nsplit as i32, parts.0.ptr, parts.1.ptr);
+                at::prefill(c, &a, d)?;
+            }
         }
         state.slot_mut(span.slot)?.attn_len[layer] += span.len;
+    }
+    if let Some(a) = plain_args {
+        let table = DevBuf::from_slice(b.gpu(), &plain)?;
+        let t = plain.iter().map(|s| s.t).max().unwrap_or(0);
+        at::prefill(c, &at::AttnArgs { spans: table.ptr, nspans: plain.len() as i32, t, ..a }, d)?;
     }
     Ok(out)
 }
@@ -140,88 +148,151 @@ pub fn deltanet(
         return Err(Error::Op { op: "deltanet", msg: "input widths do not match the GDN dims".into() });
     }
     let out = b.tensor(t_all, hv * dv)?;
-    let conv_len = state.conv_len;
+    let mut spans = Vec::new();
     for (span, off) in batch.spans.iter().zip(batch.offsets()) {
         state.slot(span.slot)?;
-        let conv_base = state.conv_ptr(span.slot, layer);
-        let rec = state.rec_ptr(span.slot, layer);
-        let t = span.len;
-        if t == 1 {
-            let a = dn::GdnDecodeArgs {
-                qkv: inp.qkv.row_ptr(off),
-                z: inp.z.row_ptr(off),
-                b: inp.b.row_ptr(off),
-                a: inp.a.row_ptr(off),
-                conv_w: inp.conv.buf.ptr,
-                conv_state: conv_base,
-                a_log: inp.a_log.buf.ptr,
-                dt_bias: inp.dt_bias.buf.ptr,
-                norm_w: inp.norm.buf.ptr,
-                state: rec,
-                out: out.row_ptr(off),
-                pos_ptr: 0,
-                hk: hk as i32,
-                hv: hv as i32,
-                dk: dk as i32,
-                dv: dv as i32,
-                kc: kc as i32,
-                c: cdim as i32,
-                pos: span.start as i32,
-                eps,
-                ..Default::default()
-            };
-            dn::decode(c, &a)?;
+        if span.len > 1 {
+            spans.push(Span { slot: span.slot, start: span.start, len: span.len, off });
             continue;
         }
-        // Snapshots asked for inside the span (`StatePool::capture_at`) get what a pass ending at
-        // their position leaves: both conv buffers as before this span, the one such a pass
-        // writes holding the inputs of the KC−1 positions before it (rows of this span), and the
-        // recurrent state after the chunk ending there (the scan below stops there).
-        let caps = state.captures_in(span.slot, layer, span.start, t)?;
-        if let Some(cap) = caps.iter().find(|cap| !cap.offset.is_multiple_of(dn::CHUNK)) {
+        // One token: the fused decode kernel, straight into `out`.
+        let a = dn::GdnDecodeArgs {
+            qkv: inp.qkv.row_ptr(off),
+            z: inp.z.row_ptr(off),
+            b: inp.b.row_ptr(off),
+            a: inp.a.row_ptr(off),
+            conv_w: inp.conv.buf.ptr,
+            conv_state: state.conv_ptr(span.slot, layer),
+            a_log: inp.a_log.buf.ptr,
+            dt_bias: inp.dt_bias.buf.ptr,
+            norm_w: inp.norm.buf.ptr,
+            state: state.rec_ptr(span.slot, layer),
+            out: out.row_ptr(off),
+            pos_ptr: 0,
+            hk: hk as i32,
+            hv: hv as i32,
+            dk: dk as i32,
+            dv: dv as i32,
+            kc: kc as i32,
+            c: cdim as i32,
+            pos: span.start as i32,
+            eps,
+            ..Default::default()
+        };
+        dn::decode(c, &a)?;
+    }
+    if !spans.is_empty() {
+        deltanet_spans(b, &inp, dims, eps, layer, &spans, &out, state)?;
+    }
+    Ok(out)
+}
+
+/// A span of more than one token in a GDN layer's forward call: its sequence's slot, first
+/// position and length, and its first row in the call's tensors.
+#[derive(Clone, Copy)]
+struct Span {
+    slot: usize,
+    start: usize,
+    len: usize,
+    off: usize,
+}
+
+/// The chunked GDN layer over the spans of several tokens, each kernel launched once for all of
+/// them where it can: the conv (a `GdnSpan` per span), the norms and gates and the gated norm
+/// (per token: once per run of adjacent spans), the chunk prep and scan in groups of at most
+/// CHUNK_SPAN_MAX tokens. A span with a capture inside it, or longer than that, runs its prep and
+/// scan alone (`chunked_alone`). Every span's values are those of a call with that span alone.
+#[allow(clippy::too_many_arguments)]
+fn deltanet_spans(
+    b: &CudaBackend,
+    inp: &DeltaNetInputs<'_, CudaBackend>,
+    dims: &DeltaNetDims,
+    eps: f32,
+    layer: usize,
+    spans: &[Span],
+    out: &CudaTensor,
+    state: &mut CudaState,
+) -> Result<()> {
+    let c = &b.ctx;
+    let (hk, hv, dk, dv) = (dims.num_k_heads, dims.num_v_heads, dims.k_head_dim, dims.v_head_dim);
+    let (cdim, kc) = (dims.conv_dim(), dims.conv_kernel);
+    let (t_all, conv_len) = (inp.qkv.rows, state.conv_len);
+    let xc = b.tensor(t_all, cdim)?;
+    let beta = DevBuf::alloc(b.gpu(), t_all * hv * 4)?;
+    let gdec = DevBuf::alloc(b.gpu(), t_all * hv * 4)?;
+    let core = b.tensor(t_all, hv * dv)?;
+    // Snapshots asked for inside a span (`StatePool::capture_at`) get what a pass ending at their
+    // position leaves: both conv buffers as before this span, the one such a pass writes holding
+    // the inputs of the KC−1 positions before it (rows of this span), and the recurrent state
+    // after the chunk ending there (the span's scan stops there).
+    let mut descs = Vec::with_capacity(spans.len());
+    let mut caps = Vec::with_capacity(spans.len());
+    for s in spans {
+        let conv_base = state.conv_ptr(s.slot, layer);
+        let span_caps = state.captures_in(s.slot, layer, s.start, s.len)?;
+        if let Some(cap) = span_caps.iter().find(|cap| !cap.offset.is_multiple_of(dn::CHUNK)) {
             return Err(Error::Op {
                 op: "deltanet",
                 msg: format!("a capture {} tokens into a span is not at a chunk boundary", cap.offset),
             });
         }
         let window = (kc - 1) * cdim * 4;
-        for cap in &caps {
+        for cap in &span_caps {
             copy_d2d(b.gpu(), cap.conv, conv_base, 2 * conv_len * 4)?;
             if window > 0 {
-                let dst = cap.conv + (((span.start + cap.offset) & 1) * conv_len * 4) as u64;
-                copy_d2d(b.gpu(), dst, inp.qkv.row_ptr(off + cap.offset + 1 - kc), window)?;
+                let dst = cap.conv + (((s.start + cap.offset) & 1) * conv_len * 4) as u64;
+                copy_d2d(b.gpu(), dst, inp.qkv.row_ptr(s.off + cap.offset + 1 - kc), window)?;
             }
         }
-        let xc = b.tensor(t, cdim)?;
-        let tmp = DevBuf::alloc(b.gpu(), conv_len * 4)?;
-        dn::conv(
-            c,
-            &dn::ConvArgs {
-                x: inp.qkv.row_ptr(off),
-                w: inp.conv.buf.ptr,
-                state_in: conv_base + ((span.start & 1) * conv_len * 4) as u64,
-                state_out: tmp.ptr,
-                out: xc.ptr(),
-                t: t as i32,
-                c: cdim as i32,
-                kc: kc as i32,
-                ldx: cdim as i32,
-            },
-        )?;
-        copy_d2d(b.gpu(), conv_base + (((span.start + t) & 1) * conv_len * 4) as u64, tmp.ptr, conv_len * 4)?;
-        let beta = DevBuf::alloc(b.gpu(), t * hv * 4)?;
-        let gdec = DevBuf::alloc(b.gpu(), t * hv * 4)?;
+        caps.push(span_caps);
+        descs.push(dn::GdnSpan {
+            conv_in: conv_base + ((s.start & 1) * conv_len * 4) as u64,
+            conv_out: conv_base + (((s.start + s.len) & 1) * conv_len * 4) as u64,
+            state: state.rec_ptr(s.slot, layer),
+            scratch: 0,
+            row0: s.off as i32,
+            t: s.len as i32,
+            nchunks: dn::chunk_count(s.len) as i32,
+            pad: 0,
+        });
+    }
+    let table = DevBuf::from_slice(b.gpu(), &descs)?;
+    let t_max = spans.iter().map(|s| s.len).max().unwrap_or(0);
+    dn::conv(
+        c,
+        &dn::ConvArgs {
+            x: inp.qkv.ptr(),
+            w: inp.conv.buf.ptr,
+            out: xc.ptr(),
+            spans: table.ptr,
+            t: t_max as i32,
+            c: cdim as i32,
+            kc: kc as i32,
+            ldx: cdim as i32,
+            nspans: spans.len() as i32,
+            ..Default::default()
+        },
+    )?;
+    // Runs of adjacent spans' rows, for the per-token kernels.
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for s in spans {
+        match runs.last_mut() {
+            Some((r0, n)) if *r0 + *n == s.off => *n += s.len,
+            _ => runs.push((s.off, s.len)),
+        }
+    }
+    for &(r0, n) in &runs {
         dn::prep(
             c,
             &dn::GdnPrepArgs {
-                x: xc.ptr(),
-                b: inp.b.row_ptr(off),
-                a: inp.a.row_ptr(off),
+                x: xc.row_ptr(r0),
+                b: inp.b.row_ptr(r0),
+                a: inp.a.row_ptr(r0),
                 a_log: inp.a_log.buf.ptr,
                 dt_bias: inp.dt_bias.buf.ptr,
-                beta: beta.ptr,
-                gdec: gdec.ptr,
-                t: t as i32,
+                beta: beta.ptr + (r0 * hv * 4) as u64,
+                gdec: gdec.ptr + (r0 * hv * 4) as u64,
+                t: n as i32,
                 hk: hk as i32,
                 hv: hv as i32,
                 dk: dk as i32,
@@ -231,58 +302,48 @@ pub fn deltanet(
                 pad: 0,
             },
         )?;
-        let core = b.tensor(t, hv * dv)?;
-        // Spans longer than CHUNK_SPAN_MAX tokens run as several prep + scan pairs in order (the
-        // state passes through memory in between), so the scratch never exceeds that many tokens.
-        // The scan of a piece also stops at each capture in it, for a copy of the state there.
-        let piece = t.min(dn::CHUNK_SPAN_MAX);
-        let scratch = DevBuf::alloc(b.gpu(), dn::chunk_scratch_bytes(hv, dk, dv, piece))?;
-        for p0 in (0..t).step_by(piece) {
-            let n = piece.min(t - p0);
-            let nchunks = dn::chunk_count(n) as i32;
-            let args = dn::ChunkArgs {
-                x: xc.ptr() + (p0 * cdim * 4) as u64,
-                beta: beta.ptr + (p0 * hv * 4) as u64,
-                gdec: gdec.ptr + (p0 * hv * 4) as u64,
-                state: rec,
-                out: core.ptr() + (p0 * hv * dv * 4) as u64,
-                scratch: scratch.ptr,
-                t: n as i32,
-                hk: hk as i32,
-                hv: hv as i32,
-                dk: dk as i32,
-                dv: dv as i32,
-                c: cdim as i32,
-                cw: dn::chunk_cols(dv) as i32,
-                nchunks,
-                chunk0: 0,
-                chunk1: nchunks,
-            };
-            dn::chunk_prep(c, &args)?;
-            let mut done = 0;
-            for cap in caps.iter().filter(|cap| cap.offset > p0 && cap.offset <= p0 + n) {
-                let stop = ((cap.offset - p0) / dn::CHUNK) as i32;
-                if stop > done {
-                    dn::chunk_scan(c, &dn::ChunkArgs { chunk0: done, chunk1: stop, ..args })?;
-                    done = stop;
-                }
-                copy_d2d(b.gpu(), cap.rec, rec, state.rec_len * 4)?;
-            }
-            if done < nchunks {
-                dn::chunk_scan(c, &dn::ChunkArgs { chunk0: done, ..args })?;
-            }
+    }
+    let args = dn::ChunkArgs {
+        x: xc.ptr(),
+        beta: beta.ptr,
+        gdec: gdec.ptr,
+        out: core.ptr(),
+        hk: hk as i32,
+        hv: hv as i32,
+        dk: dk as i32,
+        dv: dv as i32,
+        c: cdim as i32,
+        cw: dn::chunk_cols(dv) as i32,
+        ..Default::default()
+    };
+    let mut group: Vec<dn::GdnSpan> = Vec::new();
+    for ((s, d), span_caps) in spans.iter().zip(&descs).zip(&caps) {
+        if !span_caps.is_empty() || s.len > dn::CHUNK_SPAN_MAX {
+            chunked_alone(b, &args, s, d.state, state.rec_len, span_caps)?;
+            continue;
         }
-        for cap in &caps {
-            state.captured(span.slot, layer, span.start + cap.offset)?;
+        if group.iter().map(|g| g.t as usize).sum::<usize>() + s.len > dn::CHUNK_SPAN_MAX {
+            chunked_group(b, &args, &std::mem::take(&mut group))?;
         }
+        group.push(*d);
+    }
+    if !group.is_empty() {
+        chunked_group(b, &args, &group)?;
+    }
+    for (s, span_caps) in spans.iter().zip(&caps) {
+        for cap in span_caps {
+            state.captured(s.slot, layer, s.start + cap.offset)?;
+        }
+    }
+    for &(r0, n) in &runs {
         dn::gated_norm(
             c,
             &dn::GNormArgs {
-                core: core.ptr(),
-                z: inp.z.row_ptr(off),
+                core: core.row_ptr(r0),
+                z: inp.z.row_ptr(r0),
                 w: inp.norm.buf.ptr,
-                out: out.row_ptr(off),
-                t: t as i32,
+                out: out.row_ptr(r0),
+                t: n as i32,
                 hv: hv as i32,
                 dv: dv as i32,
                 ldz: (hv * dv) as i32,
@@ -291,7 +352,73 @@ pub fn deltanet(
             },
         )?;
     }
-    Ok(out)
+    Ok(())
+}
+
+/// The chunk prep and scan of several spans (none longer than CHUNK_SPAN_MAX, no captures) in one
+/// launch each, every span with its own scratch.
+fn chunked_group(b: &CudaBackend, args: &dn::ChunkArgs, group: &[dn::GdnSpan]) -> Result<()> {
+    let (hv, dk, dv) = (args.hv as usize, args.dk as usize, args.dv as usize);
+    let bytes: Vec<usize> = group.iter().map(|g| dn::chunk_scratch_bytes(hv, dk, dv, g.t as usize)).collect();
+    let scratch = DevBuf::alloc(b.gpu(), bytes.iter().sum())?;
+    let mut at = scratch.ptr;
+    let mut descs = group.to_vec();
+    for (d, n) in descs.iter_mut().zip(&bytes) {
+        d.scratch = at;
+        at += *n as u64;
+    }
+    let table = DevBuf::from_slice(b.gpu(), &descs)?;
+    let a = dn::ChunkArgs {
+        spans: table.ptr,
+        t: descs.iter().map(|d| d.t).max().unwrap_or(0),
+        nchunks: descs.iter().map(|d| d.nchunks).max().unwrap_or(0),
+        nspans: descs.len() as i32,
+        ..*args
+    };
+    dn::chunk_prep(&b.ctx, &a)?;
+    dn::chunk_scan(&b.ctx, &a)
+}
+
+/// The chunk prep and scan of one span, in pieces of at most CHUNK_SPAN_MAX tokens (the state
+/// passes through memory in between, so the scratch never exceeds that many tokens); the scan of
+/// a piece also stops at each capture in it, for a copy of the state there.
+fn chunked_alone(b: &CudaBackend, args: &dn::ChunkArgs, s: &Span, rec: u64, rec_len: usize, caps: &[CaptureDst]) -> Result<()> {
+    let c = &b.ctx;
+    let (hv, dk, dv, cdim) = (args.hv as usize, args.dk as usize, args.dv as usize, args.c as usize);
+    let piece = s.len.min(dn::CHUNK_SPAN_MAX);
+    let scratch = DevBuf::alloc(b.gpu(), dn::chunk_scratch_bytes(hv, dk, dv, piece))?;
+    for p0 in (0..s.len).step_by(piece) {
+        let n = piece.min(s.len - p0);
+        let nchunks = dn::chunk_count(n) as i32;
+        let row = (s.off + p0) as u64;
+        let a = dn::ChunkArgs {
+            x: args.x + row * (cdim * 4) as u64,
+            beta: args.beta + row * (hv * 4) as u64,
+            gdec: args.gdec + row * (hv * 4) as u64,
+            state: rec,
+            out: args.out + row * (hv * dv * 4) as u64,
+            scratch: scratch.ptr,
+            t: n as i32,
+            nchunks,
+            chunk0: 0,
+            chunk1: nchunks,
+            ..*args
+        };
+        dn::chunk_prep(c, &a)?;
+        let mut done = 0;
+        for cap in caps.iter().filter(|cap| cap.offset > p0 && cap.offset <= p0 + n) {
+            let stop = ((cap.offset - p0) / dn::CHUNK) as i32;
+            if stop > done {
+                dn::chunk_scan(c, &dn::ChunkArgs { chunk0: done, chunk1: stop, ..a })?;
+                done = stop;
+            }
+            copy_d2d(b.gpu(), cap.rec, rec, rec_len * 4)?;
+        }
+        if done < nchunks {
+            dn::chunk_scan(c, &dn::ChunkArgs { chunk0: done, ..a })?;
+        }
+    }
+    Ok(())
 }
 
 pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims) -> Result<CudaTensor> {

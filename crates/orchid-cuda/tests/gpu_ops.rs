@@ -944,6 +944,80 @@ fn deltanet_capture_inside_a_span() {
     }
 }
 
+/// Several sequences' spans in one forward call of a GDN layer (the conv in one launch, the chunk
+/// prep and scan in groups of at most CHUNK_SPAN_MAX tokens, the per-token kernels per run of
+/// adjacent spans) against each span in a call of its own: outputs, recurrent and conv states
+/// bit-identical. Spans of 2 to 4,100 tokens from even and odd positions after a first pass, a
+/// one-token span between them (the decode kernel, splitting the runs), groups that overflow
+/// CHUNK_SPAN_MAX, and a span longer than it (prep and scan alone, in pieces).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deltanet_spans_in_one_call_equal_alone() {
+    use orchid_cuda::driver::{DevBuf, copy_d2d};
+    use orchid_model::batch::SeqSpan;
+    let g = gpu();
+    let mut rng = Rng::new(21);
+    let shapes = [GdnCase { hk: 16, hv: 32, dk: 128, dv: 128 }, GdnCase { hk: 3, hv: 6, dk: 32, dv: 48 }];
+    // (first pass, span) per sequence.
+    let seqs: [(usize, usize); 8] = [(0, 512), (37, 130), (64, 1), (5, 2), (0, 3000), (1, 700), (0, 4100), (12, 64)];
+    for cs_ in shapes {
+        let cfg = config(64, 64, 1, (2, 1, 64), (cs_.hk, cs_.hv, cs_.dk, cs_.dv), (4, 2, 64, 0), 1000);
+        let dims = cfg.deltanet.clone();
+        let (cdim, kc, hv, dv) = (dims.conv_dim(), dims.conv_kernel, dims.num_v_heads, dims.v_head_dim);
+        let vecs = [rng.vec(cdim * kc, 0.5), (0..hv).map(|_| (1.0 + 7.5 * (rng.next() + 1.0)).ln()).collect(), rng.vec(hv, 0.5), {
+            rng.vec(dv, 0.2).iter().map(|x| 1.0 + x).collect()
+        }];
+        let gv: Vec<_> = vecs.iter().map(|v| g.upload_vector(v).unwrap()).collect();
+        let widths = [cdim, hv * dv, hv, hv];
+        let inputs: Vec<[Vec<f32>; 4]> =
+            seqs.iter().map(|&(p, t)| std::array::from_fn(|i| rng.vec((p + t) * widths[i], [1.0, 2.0, 2.0, 2.0][i]))).collect();
+        // One forward call over spans (slot, sequence, from, to); the output rows.
+        let fwd = |st: &mut orchid_cuda::CudaState, spans: &[(usize, usize, usize, usize)]| -> Vec<f32> {
+            let gt: [CudaTensor; 4] = std::array::from_fn(|i| {
+                let rows: usize = spans.iter().map(|s| s.3 - s.2).sum();
+                let v: Vec<f32> = spans.iter().flat_map(|s| inputs[s.1][i][s.2 * widths[i]..s.3 * widths[i]].to_vec()).collect();
+                up(&g, rows, widths[i], &v)
+            });
+            let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.2, len: s.3 - s.2 }).collect() };
+            host(&g, &g.deltanet(gdn_inputs(&gt, &gv), &dims, 1e-6, 0, &batch, st).unwrap())
+        };
+        let slot_bits = |st: &orchid_cuda::CudaState, slot: usize| -> Vec<u32> {
+            let (conv, rec) = (2 * st.conv_len * 4, st.rec_len * 4);
+            let buf = DevBuf::alloc(g.gpu(), conv + rec).unwrap();
+            copy_d2d(g.gpu(), buf.ptr, st.conv_ptr(slot, 0), conv).unwrap();
+            copy_d2d(g.gpu(), buf.ptr + conv as u64, st.rec_ptr(slot, 0), rec).unwrap();
+            let mut v = vec![0u32; (conv + rec) / 4];
+            buf.download(0, bytemuck::cast_slice_mut(&mut v)).unwrap();
+            v
+        };
+        let n = seqs.len();
+        let mut st = g.new_state(&cfg, StateOptions::new(2 * n, 16384)).unwrap();
+        let slots: Vec<usize> = (0..2 * n).map(|_| st.alloc().unwrap()).collect();
+        let (together, alone) = slots.split_at(n);
+        for (i, &(p, _)) in seqs.iter().enumerate() {
+            if p > 0 {
+                fwd(&mut st, &[(together[i], i, 0, p)]);
+                fwd(&mut st, &[(alone[i], i, 0, p)]);
+            }
+        }
+        let spans: Vec<_> = seqs.iter().enumerate().map(|(i, &(p, t))| (together[i], i, p, p + t)).collect();
+        let out = fwd(&mut st, &spans);
+        let mut row = 0;
+        for (i, &(p, t)) in seqs.iter().enumerate() {
+            let solo = fwd(&mut st, &[(alone[i], i, p, p + t)]);
+            let mine = &out[row * hv * dv..(row + t) * hv * dv];
+            row += t;
+            let differing = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            let name = format!("deltanet spans in one call Hv={hv} dk={} dv={dv}: sequence {i} ({p} + {t})", cs_.dk);
+            assert!(mine.iter().all(|x| x.is_finite()), "{name}: non-finite output");
+            report(&format!("{name}: outputs vs alone, differing"), differing(&bits(mine), &bits(&solo)) as f64, 0.0);
+            let (a, b) = (slot_bits(&st, together[i]), slot_bits(&st, alone[i]));
+            report(&format!("{name}: conv and recurrent state vs alone, differing"), differing(&a, &b) as f64, 0.0);
+        }
+    }
+}
+
 /// The two batched decode kernels (`RowsKernel::Blocks`, `Stream`) on the same random states and
 /// inputs: 1, 3, 16 and 64 rows with slots out of order, padding rows (slot −1) and positions of
 /// both parities, in a state layout of two layers per slot. On sm_90+ the outputs, the recurrent

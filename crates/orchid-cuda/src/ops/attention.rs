@@ -52,6 +52,9 @@ crate::kernel_abi! {
         /// padding), `pos_ptr` one position per row, `table` the first slot's block table; 0:
         /// slot 0 for every row (a graph pinned to one sequence: `table` is its block table).
         rows_slot: u64,
+        /// Prefill (`prefill_spans`): 0, or `nspans` `AttnSpan`s, one span per grid z (q, gate,
+        /// out, table, t and start are then the span's; `t` the longest span).
+        spans: u64,
         t: i32 => "T",
         start: i32,
         hq: i32 => "Hq",
@@ -65,7 +68,18 @@ crate::kernel_abi! {
         min_tiles: i32,
         /// `decode_rows`: block-table entries per slot.
         ld_table: i32,
-        pad2: i32,
+        nspans: i32,
+    }
+    /// One sequence's span in a batched prefill launch: its query rows (bf16, [t][Hq][D]), gate
+    /// rows, output rows, block table, length and first position.
+    #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+    struct AttnSpan {
+        q: u64,
+        gate: u64,
+        out: u64,
+        table: u64,
+        t: i32 => "T",
+        start: i32,
     }
 }
 
@@ -144,7 +158,11 @@ pub fn prefill(c: &Ctx, a: &AttnArgs, d: usize) -> Result<()> {
     let rows = (a.t * a.g) as usize;
     if a.nsplit <= 1 {
         let name = format!("attn_prefill_d{d}");
-        return c.k(&name).launch(&c.gpu, (rows.div_ceil(64) as u32, a.hkv as u32, 1), 128, prefill_smem(d) as u32, a);
+        let grid = (rows.div_ceil(64) as u32, a.hkv as u32, a.nspans.max(1) as u32);
+        return c.k(&name).launch(&c.gpu, grid, 128, prefill_smem(d) as u32, a);
+    }
+    if a.spans != 0 {
+        return Err(Error::Op { op: "attention prefill", msg: "split-KV takes one span".into() });
     }
     if a.nsplit as usize > MAX_SPLITS || a.part_o == 0 || a.part_ml == 0 {
         return Err(Error::Op { op: "attention prefill", msg: format!("{} splits (at most {MAX_SPLITS}, with partials)", a.nsplit) });
@@ -192,7 +210,8 @@ mod tests {
     #[test]
     fn sizes_and_limits() {
         assert_eq!(std::mem::size_of::<PrepArgs>(), 144);
-        assert_eq!(std::mem::size_of::<AttnArgs>(), 128);
+        assert_eq!(std::mem::size_of::<AttnArgs>(), 136);
+        assert_eq!(std::mem::size_of::<AttnSpan>(), 40);
         for d in SUPPORTED_HEAD_DIMS {
             assert!(prefill_smem(d) <= 227 * 1024 && decode_smem(d) <= 227 * 1024, "d {d}");
             let (p, q) = tiles_for(d);

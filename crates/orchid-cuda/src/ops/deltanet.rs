@@ -33,10 +33,15 @@ crate::kernel_abi! {
         state_in: u64,
         state_out: u64,
         out: u64,
+        /// 0, or `nspans` `GdnSpan`s: a batched launch, one span per grid z (x, out and the
+        /// states are then the span's, `t` the longest span).
+        spans: u64,
         t: i32 => "T",
         c: i32 => "C",
         kc: i32 => "KC",
         ldx: i32,
+        nspans: i32,
+        pad: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct GdnPrepArgs {
@@ -65,6 +70,10 @@ crate::kernel_abi! {
         out: u64,
         /// `chunk_scratch_bytes` (written by gdn_chunk_prep, read by gdn_chunk_scan).
         scratch: u64,
+        /// 0, or `nspans` `GdnSpan`s: a batched launch, one span per grid z (x, beta, gdec, out,
+        /// the state, the scratch and the chunks are then the span's; `t` and `nchunks` the
+        /// longest span's).
+        spans: u64,
         t: i32 => "T",
         hk: i32 => "Hk",
         hv: i32 => "Hv",
@@ -77,6 +86,21 @@ crate::kernel_abi! {
         /// The chunks [chunk0, chunk1) `gdn_chunk_scan` walks (`gdn_chunk_prep` takes all).
         chunk0: i32,
         chunk1: i32,
+        nspans: i32,
+        pad: i32,
+    }
+    /// One sequence's span in a batched conv / chunked launch: its first row in the step's
+    /// tensors, its length and chunks, its conv buffers (read, written), recurrent state and scratch.
+    #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+    struct GdnSpan {
+        conv_in: u64,
+        conv_out: u64,
+        state: u64,
+        scratch: u64,
+        row0: i32,
+        t: i32 => "T",
+        nchunks: i32,
+        pad: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct GNormArgs {
@@ -209,7 +233,7 @@ pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()
 
 pub fn conv(c: &Ctx, a: &ConvArgs) -> Result<()> {
     let rows = (a.t.max(a.kc - 1).max(1) as usize).div_ceil(CONV_TOKENS);
-    c.k("gdn_conv").launch(&c.gpu, ((a.c as usize).div_ceil(256) as u32, rows as u32, 1), 256, 0, a)
+    c.k("gdn_conv").launch(&c.gpu, ((a.c as usize).div_ceil(256) as u32, rows as u32, a.nspans.max(1) as u32), 256, 0, a)
 }
 
 pub fn prep(c: &Ctx, a: &GdnPrepArgs) -> Result<()> {
@@ -217,12 +241,18 @@ pub fn prep(c: &Ctx, a: &GdnPrepArgs) -> Result<()> {
 }
 
 /// The state-independent half of the chunked delta rule: `gdn_chunk_prep` (every chunk of every
-/// head in parallel, grid (nchunks, Hv)) writes W, U, QK and γ to `a.scratch`.
+/// head in parallel, grid (nchunks, Hv, spans)) writes W, U, QK and γ to `a.scratch`.
 pub fn chunk_prep(c: &Ctx, a: &ChunkArgs) -> Result<()> {
-    c.k("gdn_chunk_prep").launch(&c.gpu, (a.nchunks as u32, a.hv as u32, 1), 256, chunk_prep_smem(a.dk as usize, a.dv as usize) as u32, a)
+    c.k("gdn_chunk_prep").launch(
+        &c.gpu,
+        (a.nchunks as u32, a.hv as u32, a.nspans.max(1) as u32),
+        256,
+        chunk_prep_smem(a.dk as usize, a.dv as usize) as u32,
+        a,
+    )
 }
 
-/// The sequential half: `gdn_chunk_scan` (grid (Hv, dv/cw)) walks chunks [chunk0, chunk1) in
+/// The sequential half: `gdn_chunk_scan` (grid (Hv, dv/cw, spans)) walks chunks [chunk0, chunk1) in
 /// order on the state. Consecutive ranges in separate launches compute bit for bit what one
 /// launch over all of them does, the state in memory between them being the state after the
 /// first range.
@@ -231,7 +261,7 @@ pub fn chunk_prep(c: &Ctx, a: &ChunkArgs) -> Result<()> {
 /// (`gdn_chunk_scan_tc`, 3xTF32: about f32 precision, not the same bits).
 pub fn chunk_scan(c: &Ctx, a: &ChunkArgs) -> Result<()> {
     let (dk, dv, cw) = (a.dk as usize, a.dv as usize, a.cw as usize);
-    let grid = (a.hv as u32, (dv / cw) as u32, 1);
+    let grid = (a.hv as u32, (dv / cw) as u32, a.nspans.max(1) as u32);
     if scan_on_tensor_cores(c, dk, cw) {
         return c.k("gdn_chunk_scan_tc").launch(&c.gpu, grid, 256, chunk_scan_tc_smem(dk) as u32, a);
     }
@@ -354,9 +384,10 @@ mod tests {
 
     #[test]
     fn sizes_and_dims() {
-        assert_eq!(std::mem::size_of::<ConvArgs>(), 56);
+        assert_eq!(std::mem::size_of::<ConvArgs>(), 72);
         assert_eq!(std::mem::size_of::<GdnPrepArgs>(), 88);
-        assert_eq!(std::mem::size_of::<ChunkArgs>(), 88);
+        assert_eq!(std::mem::size_of::<ChunkArgs>(), 104);
+        assert_eq!(std::mem::size_of::<GdnSpan>(), 48);
         assert_eq!(std::mem::size_of::<GNormArgs>(), 56);
         assert_eq!(std::mem::size_of::<GdnDecodeArgs>(), 168);
         check_dims(128, 128, 8192, 4).unwrap();
