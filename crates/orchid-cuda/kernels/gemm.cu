@@ -515,13 +515,14 @@ struct Q4Rows {
     int oa0, oa1, os0, os1;
 };
 
-// The main loop of an _ld block once its token rows and group sums are in flight (k-step kt's at
-// bsm + kt · BN · BS_STRIDE · 2 and xsm + kt · BN · 8): the warp's words of each k-step are
-// loaded from global memory into a ring of three register buffers, two k-steps ahead of their
-// use, then multiplied as q4_kstep does (q4_groups, the first NL n8 tiles), so the same bits; one
-// barrier (the token rows have landed), none in the loop.
-template <int BN, int NL>
-DEVI void q4_ld_loop(float (&tot)[1][BN / 8][4], Q4Rows w, u32 bsm, u32 xsm, int nk, int lane) {
+// The main loop of an _ld block: the warp's words of each k-step are loaded from global memory
+// into a ring of three register buffers, two k-steps ahead of their use; stage() puts the block's
+// token rows and group sums in flight (k-step kt's at bsm + kt · BN · BS_STRIDE · 2 and xsm + kt ·
+// BN · 8), after the first two weight requests (STAGE_FIRST: before them, where registers are
+// short); then each k-step is multiplied as q4_kstep does (q4_groups, the first NL n8 tiles), so
+// the same bits; one barrier (the token rows have landed), none in the loop.
+template <int BN, int NL, bool STAGE_FIRST, typename Stage>
+DEVI void q4_ld_loop(float (&tot)[1][BN / 8][4], Q4Rows w, u32 bsm, u32 xsm, int nk, int lane, Stage stage) {
     constexpr int NT = BN / 8, BB = BN * BS_STRIDE * 2;
     uint4 ra[3][2];
     uint2 rs[3][2];
@@ -550,8 +551,10 @@ DEVI void q4_ld_loop(float (&tot)[1][BN / 8][4], Q4Rows w, u32 bsm, u32 xsm, int
         }
         q4_groups<1, NT, NL, true>(tot, A0, A1, SB0, SB1, X, b_at + kt * BB, [](int) {});
     };
+    if constexpr (STAGE_FIRST) stage();
     fetch(0, 0);
     fetch(1, 1);
+    if constexpr (!STAGE_FIRST) stage();
     cp_async_wait<0>();
     __syncthreads();  // everyone's token rows and sums have landed
 #pragma unroll 1
@@ -569,7 +572,12 @@ DEVI void q4_ld_loop(float (&tot)[1][BN / 8][4], Q4Rows w, u32 bsm, u32 xsm, int
 
 template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false, bool LD = false>
 DEVI void gemm_body(const GemmArgs& a) {
-    pdl_enter();  // x, the tile table and the output belong to earlier kernels of the stream
+    // x, the tile table and the output belong to earlier kernels of the stream. A one-weight _ld
+    // kernel without a tile table, or whose table was written two or more kernels back
+    // (tiles_early), requests its first weights before the wait (q4_ld_loop's stage); all others
+    // wait first (the pair's 64 registers hold no weights during its staging).
+    const bool early = LD && !PAIR && (!a.tiles || a.tiles_early);
+    if (!early) pdl_enter();
     using Cfg = GemmCfg<FMT, BN, WG>;
     constexpr int WN = Cfg::WN;                 // warps along the tokens
     constexpr int WM = 8 / WN;                  // warps along the rows
@@ -731,7 +739,8 @@ DEVI void gemm_body(const GemmArgs& a) {
         static_assert(FMT == FMT_Q4 && (BN == 8 || BN == 32) && MT == 1 && !WG, "_ld: Q4 8- or 32-token tiles");
         constexpr int BB = BN * BS_STRIDE * 2;  // bytes of a k-step's token rows
         const u32 bsm = smem_u32(smem), xsm = bsm + nk * BB;
-        {
+        auto stage = [&]() {
+            if (early) pdl_enter();
             // Thread: 16-byte chunk tid % 16 of token rows (tid / 16) % BN and (its + 16) % BN
             // (BN 32: both in turn; BN 8: one) of every k-step it reaches; group sums: thread
             // i < nk · BN those of k-step i / BN, token i % BN.
@@ -754,7 +763,7 @@ DEVI void gemm_body(const GemmArgs& a) {
                 cp_async8(smem + nk * BB + i * 8, (const unsigned char*)a.xs + xr * (a.kpad / 16) + (i64)(kt0 + i / BN) * 8, okx);
             }
             cp_async_commit();
-        }
+        };
         // This warp's 16 rows: one unit of W (PAIR: warps 0-3 W's rows, 4-7 W2's at the same
         // indices), rows g and g + 8 of it for this lane, read in k-step order through running
         // pointers. A row beyond mrem reads row 0 of the unit instead: its outputs are never
@@ -765,10 +774,10 @@ DEVI void gemm_body(const GemmArgs& a) {
         const Q4Rows w{(const unsigned char*)(hi ? W2 : W) + q4_offset(wrow0 + rr, kt0, a.kpad) + t4 * 16,
                        (const unsigned char*)(hi ? SB2 : SB) + q4_sb_offset(wrow0 + rr, kt0, a.kpad), r0 * 64, r1 * 64, r0 * 8, r1 * 8};
         // The tile's tokens in the fewest n8 tiles that hold them (block-uniform).
-        if constexpr (BN == 8) q4_ld_loop<BN, 1>(tot, w, bsm, xsm, nk, lane);
-        else if (count > 16) q4_ld_loop<BN, BN / 8>(tot, w, bsm, xsm, nk, lane);
-        else if (count > 8) q4_ld_loop<BN, 2>(tot, w, bsm, xsm, nk, lane);
-        else q4_ld_loop<BN, 1>(tot, w, bsm, xsm, nk, lane);
+        if constexpr (BN == 8) q4_ld_loop<BN, 1, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
+        else if (count > 16) q4_ld_loop<BN, BN / 8, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
+        else if (count > 8) q4_ld_loop<BN, 2, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
+        else q4_ld_loop<BN, 1, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
     } else if constexpr (WG) {
         // Two k-steps per barrier (the k-step barrier bounded these kernels: each warpgroup
         // waits for its wgmma): k-steps kt and kt + 1 are computed while kt + 2 and kt + 3 load

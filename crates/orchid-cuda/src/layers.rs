@@ -512,10 +512,11 @@ pub fn moe_into(
         shared: alt.is_some(),
     };
     route(c, &r)?;
-    let grouped = |alt| Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn, alt };
-    let hp = gemm_pair_x(c, &w.experts.gate, &w.experts.up, &xp, assign_tok.ptr, listed, Some(grouped(alt.map(|a| a.0))))?;
+    let grouped = |alt, early| Grouped { tiles: tiles.ptr, num_tiles: num_tiles.ptr, max_tiles, bn, alt, early };
+    let hp = gemm_pair_x(c, &w.experts.gate, &w.experts.up, &xp, assign_tok.ptr, listed, Some(grouped(alt.map(|a| a.0), false)))?;
     let ybuf = DevBuf::alloc(gpu, listed * h * 4)?;
-    gemm(c, &w.experts.down, None, &hp, 0, listed, Some(grouped(alt.map(|a| a.1))), ybuf.ptr, h)?;
+    // The routing wrote the tile table before the pair: the down GEMM may read it early.
+    gemm(c, &w.experts.down, None, &hp, 0, listed, Some(grouped(alt.map(|a| a.1), true)), ybuf.ptr, h)?;
     // Shared expert (all tokens) and its sigmoid gate: rows t·k.. of the experts' outputs, or
     // GEMMs of its own.
     let mut shared_out = None;

@@ -373,7 +373,7 @@ fn grouped_gemm_reads_a_separate_expert() {
         table.extend([e, routed + j * bn, bn.min(t - j * bn), 0].map(|v| v as u32));
     }
     let (rows, tiles, num) = (words(&x_rows), words(&table), words(&[(table.len() / 4) as u32]));
-    let grouped = |alt| gemm::Grouped { tiles: tiles.ptr, num_tiles: num.ptr, max_tiles: table.len() / 4, bn, alt };
+    let grouped = |alt| gemm::Grouped { tiles: tiles.ptr, num_tiles: num.ptr, max_tiles: table.len() / 4, bn, alt, early: true };
     let tail = |v: &[f32], n: usize| v[routed * n..].to_vec();
     let head = |v: &[f32], n: usize| v[..routed * n].to_vec();
     // Gate/up pair: silu(gate) ⊙ up rows.

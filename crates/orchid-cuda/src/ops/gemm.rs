@@ -67,6 +67,9 @@ crate::kernel_abi! {
         alt_w2: u64,
         alt_sb2: u64,
         seg: [GemmSeg; GEMM_SEGS],
+        /// Grouped: the tile table was written two or more kernels back (`Grouped::early`).
+        tiles_early: i32,
+        pad: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct SplitkArgs {
@@ -237,6 +240,10 @@ pub struct Grouped {
     pub max_tiles: usize,
     pub bn: usize,
     pub alt: Option<AltExpert>,
+    /// The tile table was written two or more kernels before this GEMM (the down GEMM after the
+    /// gate/up pair): with programmatic dependent launch the _ld kernels then read it, and request
+    /// their first weights, before waiting for the previous kernel.
+    pub early: bool,
 }
 
 /// An expert of a grouped GEMM whose weights are not in the stacked experts' tensor (the shared
@@ -564,6 +571,8 @@ fn gemm_launch(
         alt_w2: alt.map_or(0, |x| x.w2),
         alt_sb2: alt.map_or(0, |x| x.sb2),
         seg: Default::default(),
+        tiles_early: grouped.as_ref().is_some_and(|g| g.early) as i32,
+        pad: 0,
     };
     let (name, smem) = gemm_pick(c, w.fmt, pair, bn, cluster, grouped.is_some(), concat.is_some(), (w.kpad / 128).div_ceil(kparts));
     let smem = smem as u32;
@@ -629,7 +638,7 @@ mod tests {
 
     #[test]
     fn arg_sizes() {
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 160 + GEMM_SEGS * 40);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 168 + GEMM_SEGS * 40);
         assert!(gemm_abi().contains("GemmSeg seg[4];"));
     }
 
