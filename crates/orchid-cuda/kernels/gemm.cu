@@ -572,11 +572,11 @@ DEVI void q4_ld_loop(float (&tot)[1][BN / 8][4], Q4Rows w, u32 bsm, u32 xsm, int
 
 template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false, bool LD = false>
 DEVI void gemm_body(const GemmArgs& a) {
-    // x, the tile table and the output belong to earlier kernels of the stream. A one-weight _ld
-    // kernel without a tile table, or whose table was written two or more kernels back
-    // (tiles_early), requests its first weights before the wait (q4_ld_loop's stage); all others
-    // wait first (the pair's 64 registers hold no weights during its staging).
-    const bool early = LD && !PAIR && (!a.tiles || a.tiles_early);
+    // x, the tile table and the output belong to earlier kernels of the stream. A GEMM without a
+    // tile table, or whose table was written two or more kernels back (tiles_early), requests its
+    // first weights before the wait (the prologue's, or q4_ld_loop's stage); the others wait first,
+    // and so does the _ld pair (its 64 registers hold no weights during its staging).
+    const bool early = !(LD && PAIR) && (!a.tiles || a.tiles_early);
     if (!early) pdl_enter();
     using Cfg = GemmCfg<FMT, BN, WG>;
     constexpr int WN = Cfg::WN;                 // warps along the tokens
@@ -691,8 +691,8 @@ DEVI void gemm_body(const GemmArgs& a) {
         srcX += (i64)kt0 * 8;
     }
 
-    // ---- one k-step into stage st: weights, token rows, group sums (this thread's share) ----
-    auto load_stage = [&](int kt, int st) {
+    // ---- one k-step into stage st: weights (load_w), token rows and group sums (load_x) ----
+    auto load_w = [&](int kt, int st) {
         unsigned char* As = stages + st * STAGE + Cfg::A_OFF;
 #pragma unroll
         for (int i = 0; i < QA; ++i) {
@@ -700,6 +700,8 @@ DEVI void gemm_body(const GemmArgs& a) {
             cp_async16(As + off, srcA[i] + kt * A_STEP, a_ok(i));
         }
         if (FMT == FMT_Q4 && threadIdx.x < BM) cp_async8(As + BM * 64 + threadIdx.x * 8, srcS + kt * Q4_SB_UNIT, s_ok());
+    };
+    auto load_x = [&](int kt, int st) {
         if constexpr (WG) {
             // Token row tr's 16-byte chunk ch: in half ch / 8, at chunk (ch % 8) ^ (tr % 8).
             unsigned char* Bs = stages + st * STAGE + Cfg::B_OFF;
@@ -712,12 +714,33 @@ DEVI void gemm_body(const GemmArgs& a) {
             unsigned char* Xs = stages + st * STAGE + Cfg::X_OFF;
             if (xtk < BN) cp_async4(Xs + (threadIdx.x & 1) * (BN * 4) + xtk * 4, srcX + kt * 8, xtk < count);
         } else {
-            unsigned char* Bs = As + A_BYTES;
+            unsigned char* Bs = stages + st * STAGE + Cfg::A_OFF + A_BYTES;
 #pragma unroll
             for (int i = 0; i < BR; ++i)
                 if (BN >= 16 || (int)(threadIdx.x >> 4) < BN)
                     cp_async16(Bs + ((threadIdx.x >> 4) + 16 * i) * BS_STRIDE * 2 + (threadIdx.x & 15) * 16, srcB[i] + kt * 256, b_ok(i));
             if ((int)threadIdx.x < BN) cp_async8(Bs + B_BYTES + threadIdx.x * 8, srcX + kt * 8, x_ok());
+        }
+    };
+    auto load_stage = [&](int kt, int st) {
+        load_w(kt, st);
+        load_x(kt, st);
+    };
+    // The first n stages, one commit group each (empty past nk). Early (see the top): the
+    // weights of all n first, then the wait, then the tokens (the first group holds all n
+    // stages' weights).
+    auto prologue = [&](int n) {
+        if (early) {
+            for (int s = 0; s < n; ++s)
+                if (s < nk) load_w(s, s);
+            pdl_enter();
+        }
+        for (int s = 0; s < n; ++s) {
+            if (s < nk) {
+                if (!early) load_w(s, s);
+                load_x(s, s);
+            }
+            cp_async_commit();
         }
     };
 
@@ -791,11 +814,7 @@ DEVI void gemm_body(const GemmArgs& a) {
             else if (count > 16) q4_kstep_wg<BN, 32>(tot, as, bs, xs, row0, lane);
             else q4_kstep_wg<BN, 16>(tot, as, bs, xs, row0, lane);
         };
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            if (s < nk) load_stage(s, s);
-            cp_async_commit();
-        }
+        prologue(2);
 #pragma unroll 1
         for (int kt = 0; kt < nk; kt += 2) {
             cp_async_wait<0>();   // k-steps kt and kt + 1 have landed
@@ -812,11 +831,7 @@ DEVI void gemm_body(const GemmArgs& a) {
         }
     } else {
         // Prologue: k-steps 0..S-2, one commit group each (empty groups past nk keep the count fixed).
-#pragma unroll
-        for (int s = 0; s < S - 1; ++s) {
-            if (s < nk) load_stage(s, s);
-            cp_async_commit();
-        }
+        prologue(S - 1);
 
         int st = 0, ld = S - 1;  // stage computed now, stage loaded now
 #pragma unroll 1
