@@ -1,5 +1,5 @@
-//! The op-level backend's layer blocks (attention, Gated DeltaNet, MoE): buffers, per-span
-//! launches, variant choice.
+//! The op-level backend's layer blocks (attention, Gated DeltaNet, MoE): buffers, launches over a
+//! forward call's spans, variant choice.
 //! No host synchronisation happens here: routing, token lists and tile tables stay on the GPU.
 
 use orchid_model::backend::{AttentionInputs, DeltaNetInputs, MoeWeights};
