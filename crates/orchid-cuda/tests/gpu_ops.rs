@@ -830,6 +830,27 @@ fn deltanet_scan_tensor_cores_match_fma() {
     }
 }
 
+/// Layer 0 of a slot's GDN state as bits: both conv buffers, then the recurrent state.
+fn slot_bits(g: &CudaBackend, st: &orchid_cuda::CudaState, slot: usize) -> Vec<u32> {
+    use orchid_cuda::driver::{DevBuf, copy_d2d};
+    let (conv, rec) = (2 * st.conv_len * 4, st.rec_len * 4);
+    let buf = DevBuf::alloc(g.gpu(), conv + rec).unwrap();
+    copy_d2d(g.gpu(), buf.ptr, st.conv_ptr(slot, 0), conv).unwrap();
+    copy_d2d(g.gpu(), buf.ptr + conv as u64, st.rec_ptr(slot, 0), rec).unwrap();
+    let mut v = vec![0u32; (conv + rec) / 4];
+    buf.download(0, bytemuck::cast_slice_mut(&mut v)).unwrap();
+    v
+}
+
+fn to_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Positions where two bit patterns differ, a length difference counting as that many.
+fn differing(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
+}
+
 /// A snapshot captured inside a prefill span (`StatePool::capture_at`): the scan of the span runs
 /// in launches that stop at each capture's chunk (a copy of the state between them), then goes on.
 /// Checked bit for bit, for the 35B's GDN shape and a small one: (1) outputs and final conv and
@@ -845,7 +866,6 @@ fn deltanet_scan_tensor_cores_match_fma() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn deltanet_capture_inside_a_span() {
-    use orchid_cuda::driver::{DevBuf, copy_d2d};
     use orchid_model::batch::SeqSpan;
     let g = gpu();
     let mut rng = Rng::new(11);
@@ -876,18 +896,6 @@ fn deltanet_capture_inside_a_span() {
             let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.1, len: s.2 - s.1 }).collect() };
             host(&g, &g.deltanet(gdn_inputs(&gt, &gv), &dims, 1e-6, 0, &batch, st).unwrap())
         };
-        // A slot's GDN layer as bits: both conv buffers, then the recurrent state.
-        let slot_bits = |st: &orchid_cuda::CudaState, slot: usize| -> Vec<u32> {
-            let (conv, rec) = (2 * st.conv_len * 4, st.rec_len * 4);
-            let buf = DevBuf::alloc(g.gpu(), conv + rec).unwrap();
-            copy_d2d(g.gpu(), buf.ptr, st.conv_ptr(slot, 0), conv).unwrap();
-            copy_d2d(g.gpu(), buf.ptr + conv as u64, st.rec_ptr(slot, 0), rec).unwrap();
-            let mut v = vec![0u32; (conv + rec) / 4];
-            buf.download(0, bytemuck::cast_slice_mut(&mut v)).unwrap();
-            v
-        };
-        let differing = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
-        let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         let name = format!("deltanet capture Hv={hv} dk={} dv={dv} T={t} at {points:?}", cs_.dk);
         let mut st = g.new_state(&cfg, StateOptions::new(6, 8192)).unwrap();
         let slots: Vec<usize> = (0..6).map(|_| st.alloc().unwrap()).collect();
@@ -914,7 +922,11 @@ fn deltanet_capture_inside_a_span() {
         let caps = st.take_captures(a).unwrap();
         assert_eq!(caps.iter().map(|c| c.0).collect::<Vec<_>>(), points, "{name}: captured positions");
         report(&format!("{name}: outputs vs no capture, differing"), differing(&tail[0], &tail[1]) as f64, 0.0);
-        report(&format!("{name}: final state vs no capture, differing"), differing(&slot_bits(&st, a), &slot_bits(&st, b)) as f64, 0.0);
+        report(
+            &format!("{name}: final state vs no capture, differing"),
+            differing(&slot_bits(&g, &st, a), &slot_bits(&g, &st, b)) as f64,
+            0.0,
+        );
         // c: passes split at the captures, a snapshot saved after each.
         let mut split = Vec::new();
         let mut saved = Vec::new();
@@ -933,7 +945,7 @@ fn deltanet_capture_inside_a_span() {
         for ((at, cap), snap) in caps.into_iter().zip(saved) {
             st.restore(d, &cap).unwrap();
             st.restore(e, &snap).unwrap();
-            let n = differing(&slot_bits(&st, d), &slot_bits(&st, e));
+            let n = differing(&slot_bits(&g, &st, d), &slot_bits(&g, &st, e));
             report(&format!("{name}: snapshot at {at} vs saved after a pass ending there, differing"), n as f64, 0.0);
             for (s, snap) in [(d, cap), (e, snap)] {
                 st.release(snap);
@@ -953,7 +965,6 @@ fn deltanet_capture_inside_a_span() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn deltanet_spans_in_one_call_equal_alone() {
-    use orchid_cuda::driver::{DevBuf, copy_d2d};
     use orchid_model::batch::SeqSpan;
     let g = gpu();
     let mut rng = Rng::new(21);
@@ -981,15 +992,6 @@ fn deltanet_spans_in_one_call_equal_alone() {
             let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.2, len: s.3 - s.2 }).collect() };
             host(&g, &g.deltanet(gdn_inputs(&gt, &gv), &dims, 1e-6, 0, &batch, st).unwrap())
         };
-        let slot_bits = |st: &orchid_cuda::CudaState, slot: usize| -> Vec<u32> {
-            let (conv, rec) = (2 * st.conv_len * 4, st.rec_len * 4);
-            let buf = DevBuf::alloc(g.gpu(), conv + rec).unwrap();
-            copy_d2d(g.gpu(), buf.ptr, st.conv_ptr(slot, 0), conv).unwrap();
-            copy_d2d(g.gpu(), buf.ptr + conv as u64, st.rec_ptr(slot, 0), rec).unwrap();
-            let mut v = vec![0u32; (conv + rec) / 4];
-            buf.download(0, bytemuck::cast_slice_mut(&mut v)).unwrap();
-            v
-        };
         let n = seqs.len();
         let mut st = g.new_state(&cfg, StateOptions::new(2 * n, 16384)).unwrap();
         let slots: Vec<usize> = (0..2 * n).map(|_| st.alloc().unwrap()).collect();
@@ -1007,12 +1009,10 @@ fn deltanet_spans_in_one_call_equal_alone() {
             let solo = fwd(&mut st, &[(alone[i], i, p, p + t)]);
             let mine = &out[row * hv * dv..(row + t) * hv * dv];
             row += t;
-            let differing = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
             let name = format!("deltanet spans in one call Hv={hv} dk={} dv={dv}: sequence {i} ({p} + {t})", cs_.dk);
             assert!(mine.iter().all(|x| x.is_finite()), "{name}: non-finite output");
-            report(&format!("{name}: outputs vs alone, differing"), differing(&bits(mine), &bits(&solo)) as f64, 0.0);
-            let (a, b) = (slot_bits(&st, together[i]), slot_bits(&st, alone[i]));
+            report(&format!("{name}: outputs vs alone, differing"), differing(&to_bits(mine), &to_bits(&solo)) as f64, 0.0);
+            let (a, b) = (slot_bits(&g, &st, together[i]), slot_bits(&g, &st, alone[i]));
             report(&format!("{name}: conv and recurrent state vs alone, differing"), differing(&a, &b) as f64, 0.0);
         }
     }
