@@ -575,8 +575,10 @@ DEVI void gemm_body(const GemmArgs& a) {
     // x, the tile table and the output belong to earlier kernels of the stream. A GEMM without a
     // tile table, or whose table was written two or more kernels back (tiles_early), requests its
     // first weights before the wait (the prologue's, or q4_ld_loop's stage); the others wait first,
-    // and so does the _ld pair (its 64 registers hold no weights during its staging).
-    const bool early = !(LD && PAIR) && (!a.tiles || a.tiles_early);
+    // and so does the _ld pair, which stages its token rows before its first weights (its 64
+    // registers hold no weights during the staging).
+    constexpr bool LD_STAGE_FIRST = LD && PAIR;
+    const bool early = !LD_STAGE_FIRST && (!a.tiles || a.tiles_early);
     if (!early) pdl_enter();
     using Cfg = GemmCfg<FMT, BN, WG>;
     constexpr int WN = Cfg::WN;                 // warps along the tokens
@@ -797,10 +799,10 @@ DEVI void gemm_body(const GemmArgs& a) {
         const Q4Rows w{(const unsigned char*)(hi ? W2 : W) + q4_offset(wrow0 + rr, kt0, a.kpad) + t4 * 16,
                        (const unsigned char*)(hi ? SB2 : SB) + q4_sb_offset(wrow0 + rr, kt0, a.kpad), r0 * 64, r1 * 64, r0 * 8, r1 * 8};
         // The tile's tokens in the fewest n8 tiles that hold them (block-uniform).
-        if constexpr (BN == 8) q4_ld_loop<BN, 1, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
-        else if (count > 16) q4_ld_loop<BN, BN / 8, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
-        else if (count > 8) q4_ld_loop<BN, 2, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
-        else q4_ld_loop<BN, 1, PAIR>(tot, w, bsm, xsm, nk, lane, stage);
+        if constexpr (BN == 8) q4_ld_loop<BN, 1, LD_STAGE_FIRST>(tot, w, bsm, xsm, nk, lane, stage);
+        else if (count > 16) q4_ld_loop<BN, BN / 8, LD_STAGE_FIRST>(tot, w, bsm, xsm, nk, lane, stage);
+        else if (count > 8) q4_ld_loop<BN, 2, LD_STAGE_FIRST>(tot, w, bsm, xsm, nk, lane, stage);
+        else q4_ld_loop<BN, 1, LD_STAGE_FIRST>(tot, w, bsm, xsm, nk, lane, stage);
     } else if constexpr (WG) {
         // Two k-steps per barrier (the k-step barrier bounded these kernels: each warpgroup
         // waits for its wgmma): k-steps kt and kt + 1 are computed while kt + 2 and kt + 3 load

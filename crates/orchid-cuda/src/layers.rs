@@ -316,16 +316,18 @@ fn deltanet_spans(
         cw: dn::chunk_cols(dv) as i32,
         ..Default::default()
     };
-    let mut group: Vec<dn::GdnSpan> = Vec::new();
+    let (mut group, mut group_t): (Vec<dn::GdnSpan>, usize) = (Vec::new(), 0);
     for ((s, d), span_caps) in spans.iter().zip(&descs).zip(&caps) {
         if !span_caps.is_empty() || s.len > dn::CHUNK_SPAN_MAX {
             chunked_alone(b, &args, s, d.state, state.rec_len, span_caps)?;
             continue;
         }
-        if group.iter().map(|g| g.t as usize).sum::<usize>() + s.len > dn::CHUNK_SPAN_MAX {
+        if group_t + s.len > dn::CHUNK_SPAN_MAX {
             chunked_group(b, &args, &std::mem::take(&mut group))?;
+            group_t = 0;
         }
         group.push(*d);
+        group_t += s.len;
     }
     if !group.is_empty() {
         chunked_group(b, &args, &group)?;
