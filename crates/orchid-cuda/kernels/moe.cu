@@ -29,7 +29,9 @@ DEVI void warp_topk(const float* logits, int E, int topk, int renorm, int* ids, 
     }
 }
 
-// grid = ceil(T/4), block 128: one warp per token. The experts' counts only where `counts` is set.
+// grid = ceil(T/4), block 128: one warp per token. The experts' counts only where `counts` is set:
+// counts[e] over all tokens, and with chunk_counts, chunk_counts[c · E + e] over the tokens of
+// chunk c (tokens [c · chunk_tokens, (c + 1) · chunk_tokens): moe_scatter's chunks).
 extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
     pdl_enter();
     const int t = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -38,7 +40,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk(const TopkArgs a) {
     float* w = (float*)a.wts + (i64)t * a.topk;
     warp_topk((const float*)a.logits + (i64)t * a.ldl, a.E, a.topk, a.renorm, ids, w);
     __syncwarp();
-    if (a.counts && lane < a.topk) atomicAdd((int*)a.counts + ids[lane], 1);
+    if (a.counts && lane < a.topk) {
+        atomicAdd((int*)a.counts + ids[lane], 1);
+        if (a.chunk_counts) atomicAdd((int*)a.chunk_counts + (i64)(t / a.chunk_tokens) * a.E + ids[lane], 1);
+    }
 }
 
 // Top-k of each token for the per-token expert kernels (moe_decode.cu *_rows): a warp per
@@ -92,19 +97,41 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const ScanArgs a) {
     }
 }
 
-// The lists of at most 1024 assignments (T · topk, batched decode; ids from moe_topk) in one
-// block of 1024 threads, with the results of moe_scan + moe_scatter (bit for bit): the experts'
+// Warp w places the assignments i0 + 32 r + lane (r < rounds, i < n) in ascending order: lanes
+// with the same expert e ranked by lane, at cur[e] onwards (cur: this warp's own next position of
+// each expert, advanced by the group's first lane), writing each one's token and list position.
+DEVI void place_assignments(const int* ids, int i0, int rounds, int n, int topk, int* cur, int* assign_tok, int* slot_pos) {
+    const int lane = threadIdx.x & 31;
+    for (int r = 0; r < rounds; ++r) {
+        const int i = i0 + 32 * r + lane;
+        const int e = i < n ? ids[i] : -1 - lane;  // lanes past the end match nobody
+        const unsigned same = __match_any_sync(0xffffffffu, e), before = same & ((1u << lane) - 1u);
+        const int p = i < n ? cur[e] + __popc(before) : 0;
+        __syncwarp();
+        if (i < n) {
+            assign_tok[p] = i / topk;
+            slot_pos[i] = p;
+            if (before == 0) cur[e] += __popc(same);  // the group's first lane
+        }
+        __syncwarp();
+    }
+}
+
+// The whole routing of at most 1024 assignments (T · topk, batched decode) in one block of 1024
+// threads, with the results of moe_topk + moe_scan + moe_scatter (bit for bit): each warp takes
+// the top-k of tokens w, w + 32, ... (warp_topk: the same weights and ids), then the experts'
 // counts (shared atomics: integers, any order), the scans and the tile table (scan_tiles), then
-// warp 0 places the assignments in ascending order, 32 at a time (lanes with the same expert
-// ranked by lane), so each expert's list holds its tokens in ascending (token, slot) order.
-// With a.shared, the shared expert is listed as expert E with all T tokens in order: list
-// positions T·topk + t (after every routed one), its tiles after the routed experts'.
+// warp 0 places the assignments in ascending order, 32 at a time, so each expert's list holds
+// its tokens in ascending (token, slot) order. With a.shared, the shared expert is listed as
+// expert E with all T tokens in order: list positions T·topk + t (after every routed one), its
+// tiles after the routed experts'.
 extern "C" __global__ void __launch_bounds__(1024) moe_lists(const ListsArgs a) {
     pdl_enter();
     __shared__ int s_ids[1024], sc[1024], st[1024], s_cnt[1024];
     const int lane = threadIdx.x & 31, n = a.T * a.topk;
     s_cnt[threadIdx.x] = 0;
-    if ((int)threadIdx.x < n) s_ids[threadIdx.x] = ((const int*)a.ids)[threadIdx.x];
+    for (int t = threadIdx.x >> 5; t < a.T; t += 32)
+        warp_topk((const float*)a.logits + (i64)t * a.ldl, a.E, a.topk, a.renorm, s_ids + t * a.topk, (float*)a.wts + (i64)t * a.topk);
     __syncthreads();
     if ((int)threadIdx.x < n) atomicAdd(&s_cnt[s_ids[threadIdx.x]], 1);
     __syncthreads();
@@ -115,52 +142,41 @@ extern "C" __global__ void __launch_bounds__(1024) moe_lists(const ListsArgs a) 
     s_cnt[threadIdx.x] = off;  // now each expert's next list position
     __syncthreads();
     if (threadIdx.x >= 32) return;
-    for (int i0 = 0; i0 < n; i0 += 32) {
-        const int i = i0 + lane;
-        const int e = i < n ? s_ids[i] : -1 - lane;  // lanes past the end match nobody
-        const unsigned same = __match_any_sync(0xffffffffu, e), before = same & ((1u << lane) - 1u);
-        const int p = i < n ? s_cnt[e] + __popc(before) : 0;
-        __syncwarp();
-        if (i < n) {
-            ((int*)a.assign_tok)[p] = i / a.topk;
-            ((int*)a.slot_pos)[i] = p;
-            if (before == 0) s_cnt[e] += __popc(same);  // the group's first lane
-        }
-        __syncwarp();
-    }
+    place_assignments(s_ids, 0, (n + 31) / 32, n, a.topk, s_cnt, (int*)a.assign_tok, (int*)a.slot_pos);
 }
 
-// Stable scatter: one block per expert walks all assignments in order, so the list of an expert
-// holds its tokens in ascending (token, slot) order on every run (no atomics: the grouped GEMMs
-// see the same tiles each time). `cursor` holds the experts' offsets (moe_scan). grid = E, 256.
+// Stable scatter over chunks: block c places the assignments of tokens [c · chunk_tokens,
+// (c + 1) · chunk_tokens) (SCATTER_CHUNK_TOKENS; their per-expert counts chunk_counts[c · E + e]
+// come from moe_topk), each warp w a run of chunk_tokens / 8 of those tokens. Expert e's entries
+// of warp w start at its offset (cursor, moe_scan) + its counts in the earlier chunks + its
+// counts in the block's earlier warps (shared atomics: integers, any order); each warp then
+// places its run in order (place_assignments). So every expert's list holds its tokens in
+// ascending (token, slot) order on every run: the grouped GEMMs see the same tiles each time.
+// grid = the chunks, 256 threads; E ≤ MOE_E_MAX.
 extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs a) {
     pdl_enter();
-    __shared__ int wcount[8];
-    const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n = a.T * a.topk;
+    __shared__ int cur[8][MOE_E_MAX];
+    const int c = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = a.T * a.topk, per = a.chunk_tokens / 8 * a.topk;  // a warp's assignments
+    const int i0 = c * a.chunk_tokens * a.topk + warp * per;
     const int* ids = (const int*)a.ids;
-    int base = ((const int*)a.cursor)[e];
-    for (int i0 = 0; i0 < n; i0 += 256) {
-        const int i = i0 + threadIdx.x;
-        const bool mine = i < n && ids[i] == e;
-        const unsigned m = __ballot_sync(0xffffffffu, mine);
-        if (lane == 0) wcount[warp] = __popc(m);
-        __syncthreads();
-        int before = 0, total = 0;
+    for (int i = threadIdx.x; i < 8 * a.E; i += 256) cur[i / a.E][i % a.E] = 0;
+    __syncthreads();
+    for (int i = i0 + lane; i < min(i0 + per, n); i += 32) atomicAdd(&cur[warp][ids[i]], 1);
+    __syncthreads();
+    const int* cc = (const int*)a.chunk_counts;
+    for (int e = threadIdx.x; e < a.E; e += 256) {
+        int base = ((const int*)a.cursor)[e];
+        for (int p = 0; p < c; ++p) base += cc[(i64)p * a.E + e];
 #pragma unroll
         for (int w = 0; w < 8; ++w) {
-            const int c = wcount[w];
-            before += w < warp ? c : 0;
-            total += c;
+            const int v = cur[w][e];
+            cur[w][e] = base;
+            base += v;
         }
-        if (mine) {
-            const int p = base + before + __popc(m & ((1u << lane) - 1u));
-            ((int*)a.assign_tok)[p] = i / a.topk;
-            ((int*)a.slot_pos)[i] = p;
-        }
-        base += total;
-        __syncthreads();
     }
+    __syncthreads();
+    place_assignments(ids, i0, (per + 31) / 32, min(i0 + per, n), a.topk, cur[warp], (int*)a.assign_tok, (int*)a.slot_pos);
 }
 
 // out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :]; with

@@ -1248,6 +1248,92 @@ fn moe_route_small_equals_chain() {
     }
 }
 
+/// The prefill routing chain over many scatter chunks (`SCATTER_CHUNK_TOKENS` tokens each, a block
+/// per chunk) against the lists computed here: each token's top-k ids (the largest logits, ties
+/// to the lower id), every expert's entries in ascending (token, slot) order at its offset, the
+/// tile table in expert order, each (token, slot) pointing at its own entry.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn moe_route_chain_lists_across_chunks() {
+    use orchid_cuda::ops::moe as mo;
+    let g = gpu();
+    let mut rng = Rng::new(23);
+    let words = |b: &orchid_cuda::driver::DevBuf, n: usize| {
+        let mut v = vec![0u8; n * 4];
+        b.download(0, &mut v).unwrap();
+        v.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>()
+    };
+    for &(e, k) in &[(256usize, 8usize), (512, 10)] {
+        for &t in &[129usize, 255, 512, 1000, 4097, 8192] {
+            // Each row a random order of e distinct logits 4/e apart (no near-ties).
+            let logits: Vec<f32> = (0..t)
+                .flat_map(|_| {
+                    let mut row: Vec<f32> = (0..e).map(|i| i as f32 * 4.0 / e as f32 - 2.0).collect();
+                    for i in (1..e).rev() {
+                        row.swap(i, rng.below(i + 1));
+                    }
+                    row
+                })
+                .collect();
+            let gl = up(&g, t, e, &logits);
+            let bn = 64;
+            let max_tiles = (t * k).div_ceil(bn) + e;
+            let alloc = |words: usize| orchid_cuda::driver::DevBuf::zeros(&g.ctx.gpu, words * 4).unwrap();
+            let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(t * k), alloc(t * k));
+            let r = mo::Routing {
+                logits: gl.ptr(),
+                ldl: e,
+                t,
+                e,
+                k,
+                renorm: true,
+                bn,
+                wts: wts.ptr,
+                tiles: tiles.ptr,
+                num_tiles: num.ptr,
+                assign_tok: at.ptr,
+                slot_pos: sp.ptr,
+                shared: false,
+            };
+            mo::route_chain(&g.ctx, &r).unwrap();
+            // Expected: ids per (token, slot), then the lists and tiles they imply.
+            let ids: Vec<usize> = (0..t)
+                .flat_map(|tk| {
+                    let row = &logits[tk * e..(tk + 1) * e];
+                    let mut order: Vec<usize> = (0..e).collect();
+                    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+                    order.into_iter().take(k)
+                })
+                .collect();
+            let mut count = vec![0usize; e];
+            ids.iter().for_each(|&x| count[x] += 1);
+            let mut next: Vec<usize> = count.iter().scan(0, |acc, &c| Some(std::mem::replace(acc, *acc + c))).collect();
+            let mut want_tiles = vec![];
+            for (x, &c) in count.iter().enumerate() {
+                for i in 0..c.div_ceil(bn) {
+                    want_tiles.extend([x, next[x] + i * bn, bn.min(c - i * bn), 0].map(|v| v as u32));
+                }
+            }
+            let (mut want_at, mut want_sp) = (vec![0u32; t * k], vec![0u32; t * k]);
+            for (i, &x) in ids.iter().enumerate() {
+                want_at[next[x]] = (i / k) as u32;
+                want_sp[i] = next[x] as u32;
+                next[x] += 1;
+            }
+            let n = words(&num, 1)[0] as usize;
+            let same = n * 4 == want_tiles.len()
+                && words(&tiles, 4 * n.min(max_tiles)) == want_tiles
+                && words(&at, t * k) == want_at
+                && words(&sp, t * k) == want_sp;
+            report(
+                &format!("route_chain lists over {} chunks E={e} k={k} T={t}", t.div_ceil(mo::SCATTER_CHUNK_TOKENS)),
+                if same { 0.0 } else { f64::INFINITY },
+                0.0,
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 #[allow(clippy::type_complexity)]

@@ -8,12 +8,20 @@ use crate::driver::DevBuf;
 
 crate::kernel_abi! {
     pub fn moe_abi;
+    const {
+        /// Most experts the routing kernels take (`warp_topk`: 16 logits per lane).
+        MOE_E_MAX: usize = 512;
+        /// Tokens per chunk of `moe_scatter` (a multiple of its 8 warps).
+        SCATTER_CHUNK_TOKENS: usize = 128;
+    }
     #[derive(Clone, Copy, Default)]
     struct TopkArgs {
         logits: u64,
         ids: u64,
         wts: u64,
         counts: u64,
+        /// With `counts`: each scatter chunk's counts [chunks, E] (0: none).
+        chunk_counts: u64,
         t: i32 => "T",
         e: i32 => "E",
         topk: i32,
@@ -21,8 +29,8 @@ crate::kernel_abi! {
         ldl: i32,
         /// `topk_rows`: 1 when column E holds the shared expert's gate logit.
         shared: i32,
-        pad1: i32,
-        pad2: i32,
+        chunk_tokens: i32,
+        pad0: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct ScanArgs {
@@ -42,14 +50,16 @@ crate::kernel_abi! {
         cursor: u64,
         assign_tok: u64,
         slot_pos: u64,
+        chunk_counts: u64,
         t: i32 => "T",
         topk: i32,
-        pad0: i32,
-        pad1: i32,
+        e: i32 => "E",
+        chunk_tokens: i32,
     }
     #[derive(Clone, Copy, Default)]
     struct ListsArgs {
-        ids: u64,
+        logits: u64,
+        wts: u64,
         tiles: u64,
         num_tiles: u64,
         assign_tok: u64,
@@ -60,6 +70,8 @@ crate::kernel_abi! {
         bn: i32,
         /// 1: the shared expert is listed as expert E (`Routing::shared`).
         shared: i32,
+        ldl: i32,
+        renorm: i32,
         pad0: i32,
     }
     #[derive(Clone, Copy, Default)]
@@ -94,9 +106,9 @@ pub fn scan(c: &Ctx, a: &ScanArgs) -> Result<()> {
     c.k("moe_scan").launch(&c.gpu, (1, 1, 1), 1024, 0, a)
 }
 
-/// Stable scatter into the per-expert lists: one block per expert (`e` experts).
-pub fn scatter(c: &Ctx, a: &ScatterArgs, e: usize) -> Result<()> {
-    c.k("moe_scatter").launch(&c.gpu, (e as u32, 1, 1), 256, 0, a)
+/// Stable scatter into the per-expert lists: one block per chunk of `a.chunk_tokens` tokens.
+pub fn scatter(c: &Ctx, a: &ScatterArgs) -> Result<()> {
+    c.k("moe_scatter").launch(&c.gpu, ((a.t as usize).div_ceil(a.chunk_tokens as usize) as u32, 1, 1), 256, 0, a)
 }
 
 /// One MoE layer's routing: `t` tokens' logits over `e` experts [t, e] (row stride `ldl` ≥ e) in; out, each token's
@@ -123,62 +135,64 @@ pub struct Routing {
     pub shared: bool,
 }
 
-impl Routing {
-    /// The top-k launch of this routing, with `ids` out and `counts` (0: none) counted.
-    fn topk_args(&self, ids: u64, counts: u64) -> TopkArgs {
-        let (t, e, topk) = (self.t as i32, self.e as i32, self.k as i32);
-        TopkArgs {
-            logits: self.logits,
-            ids,
-            wts: self.wts,
-            counts,
-            t,
-            e,
-            topk,
-            renorm: self.renorm as i32,
-            ldl: self.ldl as i32,
-            ..Default::default()
-        }
-    }
-}
-
 /// The routing of any number of tokens (prompt chunks) in four launches: top-k with the experts'
-/// counts, their scan into offsets and the tile table, the stable scatter into the lists.
+/// counts (in all and per chunk of `SCATTER_CHUNK_TOKENS` tokens), their scan into offsets and the
+/// tile table, the stable scatter into the lists (a block per chunk).
 pub fn route_chain(c: &Ctx, r: &Routing) -> Result<()> {
-    if r.shared {
+    if r.shared || r.e > MOE_E_MAX {
         return Err(orchid_model::error::Error::Op {
             op: "moe route_chain",
-            msg: "the shared expert is listed by route_small only".into(),
+            msg: format!(
+                "{} experts, shared listed: {} (at most {MOE_E_MAX}; the shared expert is listed by route_small only)",
+                r.e, r.shared
+            ),
         });
     }
     let ids = DevBuf::alloc(&c.gpu, r.t * r.k * 4)?;
-    let counts = DevBuf::alloc(&c.gpu, r.e * 4)?;
-    zero_words(c, counts.ptr, r.e)?;
-    topk(c, &r.topk_args(ids.ptr, counts.ptr))?;
+    // The experts' counts, then each chunk's: zeroed in one launch.
+    let chunks = r.t.div_ceil(SCATTER_CHUNK_TOKENS);
+    let counts = DevBuf::alloc(&c.gpu, (1 + chunks) * r.e * 4)?;
+    let chunk_counts = counts.ptr + (r.e * 4) as u64;
+    zero_words(c, counts.ptr, (1 + chunks) * r.e)?;
+    let (t, e, topk, chunk_tokens) = (r.t as i32, r.e as i32, r.k as i32, SCATTER_CHUNK_TOKENS as i32);
+    let ta = TopkArgs {
+        logits: r.logits,
+        ids: ids.ptr,
+        wts: r.wts,
+        counts: counts.ptr,
+        chunk_counts,
+        t,
+        e,
+        topk,
+        renorm: r.renorm as i32,
+        ldl: r.ldl as i32,
+        chunk_tokens,
+        ..Default::default()
+    };
+    self::topk(c, &ta)?;
     let offsets = DevBuf::alloc(&c.gpu, r.e * 4)?;
     let cursor = DevBuf::alloc(&c.gpu, r.e * 4)?;
-    let (tiles, num_tiles, e, bn) = (r.tiles, r.num_tiles, r.e as i32, r.bn as i32);
+    let (tiles, num_tiles, bn) = (r.tiles, r.num_tiles, r.bn as i32);
     scan(c, &ScanArgs { counts: counts.ptr, offsets: offsets.ptr, cursor: cursor.ptr, tiles, num_tiles, e, bn, ..Default::default() })?;
-    let (assign_tok, slot_pos, t, topk) = (r.assign_tok, r.slot_pos, r.t as i32, r.k as i32);
-    scatter(c, &ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok, slot_pos, t, topk, ..Default::default() }, r.e)
+    let (assign_tok, slot_pos) = (r.assign_tok, r.slot_pos);
+    scatter(c, &ScatterArgs { ids: ids.ptr, cursor: cursor.ptr, assign_tok, slot_pos, chunk_counts, t, topk, e, chunk_tokens })
 }
 
 /// Most assignments (tokens x top-k) `route_small` takes: one per thread of its block.
 pub const ROUTE_SMALL_MAX: usize = 1024;
 
-/// `route_chain` of at most `ROUTE_SMALL_MAX` assignments (batched decode) in two launches, bit
-/// for bit: the top-k (without counts), then the counts, scans, tile table and lists in one block.
+/// `route_chain` of at most `ROUTE_SMALL_MAX` assignments (batched decode) in one launch, bit for
+/// bit: the top-k, the counts, scans, tile table and lists in one block.
 pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
-    if r.t * r.k > ROUTE_SMALL_MAX || r.e + r.shared as usize > 1024 {
+    if r.t * r.k > ROUTE_SMALL_MAX || r.e > MOE_E_MAX {
         return Err(orchid_model::error::Error::Op {
             op: "moe route_small",
-            msg: format!("{} tokens x top-{} over {} experts (at most {ROUTE_SMALL_MAX} assignments)", r.t, r.k, r.e),
+            msg: format!("{} tokens x top-{} over {} experts (at most {ROUTE_SMALL_MAX} assignments, {MOE_E_MAX} experts)", r.t, r.k, r.e),
         });
     }
-    let ids = DevBuf::alloc(&c.gpu, r.t * r.k * 4)?;
-    topk(c, &r.topk_args(ids.ptr, 0))?;
     let a = ListsArgs {
-        ids: ids.ptr,
+        logits: r.logits,
+        wts: r.wts,
         tiles: r.tiles,
         num_tiles: r.num_tiles,
         assign_tok: r.assign_tok,
@@ -188,6 +202,8 @@ pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
         topk: r.k as i32,
         bn: r.bn as i32,
         shared: r.shared as i32,
+        ldl: r.ldl as i32,
+        renorm: r.renorm as i32,
         pad0: 0,
     };
     c.k("moe_lists").launch(&c.gpu, (1, 1, 1), 1024, 0, &a)
@@ -201,10 +217,10 @@ pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {
 mod tests {
     #[test]
     fn sizes() {
-        assert_eq!(std::mem::size_of::<super::TopkArgs>(), 64);
+        assert_eq!(std::mem::size_of::<super::TopkArgs>(), 72);
         assert_eq!(std::mem::size_of::<super::ScanArgs>(), 56);
-        assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 48);
+        assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 56);
         assert_eq!(std::mem::size_of::<super::CombineArgs>(), 72);
-        assert_eq!(std::mem::size_of::<super::ListsArgs>(), 64);
+        assert_eq!(std::mem::size_of::<super::ListsArgs>(), 80);
     }
 }
