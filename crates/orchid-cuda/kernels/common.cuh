@@ -94,6 +94,30 @@ DEVI float group64_sum(u32 p0, u32 p1) {
     return s;
 }
 
+// A row's GEMM input as gemm_xprep_norm prepares it, once the row's 1 / rms is known: y = x · inv
+// · w (the order rms_norm forms it), rounded to bf16 into xb [kpad] (zero past K) with each
+// 64-group's sum of the rounded values into xs [kpad / 64]; with yr (not null) the f32 y too. A
+// block of 256 threads: warp w takes the runs of 128 columns w, w + 8, ..., lane L the float4 at
+// 4L of each. Needs K % 4 == 0.
+DEVI void norm_prep_row(const float* xr, const float* nw, float inv, __nv_bfloat16* xb, float* xs, float* yr, int K, int kpad) {
+    const int lane = threadIdx.x & 31, runs = kpad >> 7;
+    for (int run = threadIdx.x >> 5; run < runs; run += 8) {
+        const int k = run * 128 + 4 * lane;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (k < K) {
+            const float4 xv = *(const float4*)(xr + k), wv = *(const float4*)(nw + k);
+            v = make_float4(xv.x * inv * wv.x, xv.y * inv * wv.y, xv.z * inv * wv.z, xv.w * inv * wv.w);
+            if (yr) *(float4*)(yr + k) = v;
+        }
+        uint2 o;
+        o.x = pack_bf16(v.x, v.y);
+        o.y = pack_bf16(v.z, v.w);
+        *(uint2*)(xb + k) = o;
+        const float s = group64_sum(o.x, o.y);
+        if ((lane & 15) == 0) xs[k >> 6] = s;
+    }
+}
+
 // bf16x2 (128 + q) for pair slot p of a repacked Q4 word: ((w >> 4p) & mask) | 0x43004300 as one
 // lop3 (the compiler emits two when both constants are immediates: lop3 takes one).
 DEVI u32 q4_pair(u32 w, int p) {

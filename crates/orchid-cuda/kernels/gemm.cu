@@ -124,9 +124,9 @@ extern "C" __global__ void __launch_bounds__(256) gemm_xprep(const float* __rest
 // gemm_xprep of y = rms_norm(x) · w (a block's input projections: the norm and the preparation
 // in one pass): one block of 256 threads per row. The sum of squares is rms_norm's (thread i:
 // columns i, i + 256, ...; block_sum) and y = x · inv · w as rms_norm forms it, so the rounded
-// values and group sums are those of rms_norm followed by gemm_xprep (warp w takes the runs w,
-// w + 8, ... of 128 columns, lane L the float4 at 4L of each). With y (not null), the normalised
-// f32 rows are written there too ([rows, K], rms_norm's output). Needs K % 4 == 0, ldx % 4 == 0.
+// values and group sums are those of rms_norm followed by gemm_xprep (norm_prep_row). With y (not
+// null), the normalised f32 rows are written there too ([rows, K], rms_norm's output). Needs
+// K % 4 == 0, ldx % 4 == 0.
 extern "C" __global__ void __launch_bounds__(256) gemm_xprep_norm(const float* __restrict__ x, const float* __restrict__ nw,
                                                                   __nv_bfloat16* __restrict__ xb, float* __restrict__ xs,
                                                                   float* __restrict__ y, int ldx, int K, int kpad, float eps) {
@@ -137,22 +137,8 @@ extern "C" __global__ void __launch_bounds__(256) gemm_xprep_norm(const float* _
     for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss, red);
     const float inv = 1.f / sqrtf(ss / K + eps);
-    const int lane = threadIdx.x & 31, runs = kpad >> 7;
-    for (int run = threadIdx.x >> 5; run < runs; run += 8) {
-        const int k = run * 128 + 4 * lane;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (k < K) {
-            const float4 xv = *(const float4*)(xr + k), wv = *(const float4*)(nw + k);
-            v = make_float4(xv.x * inv * wv.x, xv.y * inv * wv.y, xv.z * inv * wv.z, xv.w * inv * wv.w);
-            if (y) *(float4*)(y + (i64)blockIdx.x * K + k) = v;
-        }
-        uint2 o;
-        o.x = pack_bf16(v.x, v.y);
-        o.y = pack_bf16(v.z, v.w);
-        *(uint2*)(xb + (i64)blockIdx.x * kpad + k) = o;
-        const float s = group64_sum(o.x, o.y);
-        if ((lane & 15) == 0) xs[(i64)blockIdx.x * (kpad >> 6) + (k >> 6)] = s;
-    }
+    const i64 r = blockIdx.x;
+    norm_prep_row(xr, nw, inv, xb + r * kpad, xs + r * (kpad >> 6), y ? y + r * K : nullptr, K, kpad);
 }
 
 // B fragments of NT n8 tiles (tokens nbase.., k0..k0+15) from the bf16 tile [token][BS_STRIDE].

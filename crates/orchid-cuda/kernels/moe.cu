@@ -117,9 +117,8 @@ DEVI void place_assignments(const int* ids, int i0, int rounds, int n, int topk,
     }
 }
 
-// The whole routing of at most 1024 assignments (T · topk, batched decode) in one block of 1024
-// threads, with the results of moe_topk + moe_scan + moe_scatter (bit for bit): each warp takes
-// the top-k of tokens w, w + 32, ... (warp_topk: the same weights and ids), then the experts'
+// The lists of at most 1024 assignments (T · topk, batched decode; ids from moe_topk) in one
+// block of 1024 threads, with the results of moe_scan + moe_scatter (bit for bit): the experts'
 // counts (shared atomics: integers, any order), the scans and the tile table (scan_tiles), then
 // warp 0 places the assignments in ascending order, 32 at a time, so each expert's list holds
 // its tokens in ascending (token, slot) order. With a.shared, the shared expert is listed as
@@ -128,10 +127,9 @@ DEVI void place_assignments(const int* ids, int i0, int rounds, int n, int topk,
 extern "C" __global__ void __launch_bounds__(1024) moe_lists(const ListsArgs a) {
     pdl_enter();
     __shared__ int s_ids[1024], sc[1024], st[1024], s_cnt[1024];
-    const int lane = threadIdx.x & 31, n = a.T * a.topk;
+    const int n = a.T * a.topk;
     s_cnt[threadIdx.x] = 0;
-    for (int t = threadIdx.x >> 5; t < a.T; t += 32)
-        warp_topk((const float*)a.logits + (i64)t * a.ldl, a.E, a.topk, a.renorm, s_ids + t * a.topk, (float*)a.wts + (i64)t * a.topk);
+    if ((int)threadIdx.x < n) s_ids[threadIdx.x] = ((const int*)a.ids)[threadIdx.x];
     __syncthreads();
     if ((int)threadIdx.x < n) atomicAdd(&s_cnt[s_ids[threadIdx.x]], 1);
     __syncthreads();
@@ -182,17 +180,29 @@ extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs 
 // out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :]; with
 // acc, out[t, :] plus that sum (the residual add of the MoE block, as add_assign would do it).
 // grid (T, ceil(H / 256)): a thread per output, its k + 1 rows' loads in flight together.
+// With a.norm (grid (T, 1): thread i takes columns i, i + 256, ..., rms_norm's sum of squares
+// order), the new row is also prepared for the next block's GEMMs as gemm_xprep_norm with that
+// norm would prepare it (the same bits): xb, xs rows of a.kpad columns.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs a) {
     pdl_enter();
+    __shared__ float red[32];
     const int t = blockIdx.x;
     const float* w = (const float*)a.wts + (i64)t * a.topk;
     const int* sp = (const int*)a.slot_pos + (i64)t * a.topk;
     float gs = a.shared ? 1.f / (1.f + expf(-((const float*)a.shared_gate)[(i64)t * a.ld_sg])) : 0.f;
+    float ss = 0.f;
+    float* row = (float*)a.out + (i64)t * a.H;
     for (int h = blockIdx.y * blockDim.x + threadIdx.x; h < a.H; h += gridDim.y * blockDim.x) {
         float acc = 0.f;
         for (int s = 0; s < a.topk; ++s) acc += w[s] * ((const float*)a.y)[(i64)sp[s] * a.H + h];
         if (a.shared) acc += gs * ((const float*)a.shared)[(i64)t * a.H + h];
-        float* o = (float*)a.out + (i64)t * a.H + h;
-        *o = a.acc ? *o + acc : acc;
+        const float v = a.acc ? row[h] + acc : acc;
+        row[h] = v;
+        ss += v * v;
     }
+    if (!a.norm) return;
+    ss = block_sum(ss, red);  // its barriers also make the row's stores visible to the block
+    const float inv = 1.f / sqrtf(ss / a.H + a.eps);
+    norm_prep_row(row, (const float*)a.norm, inv, (__nv_bfloat16*)a.xb + (i64)t * a.kpad, (float*)a.xs + (i64)t * (a.kpad >> 6), nullptr,
+                  a.H, a.kpad);
 }

@@ -425,12 +425,15 @@ fn chunked_alone(b: &CudaBackend, args: &dn::ChunkArgs, s: &Span, rec: u64, rec_
 
 pub fn moe(b: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, dims: &MoeDims) -> Result<CudaTensor> {
     let out = b.tensor(x.rows, x.cols)?;
-    moe_into(b, x, None, w, dims, out.ptr(), false)?;
+    moe_into(b, x, None, w, dims, out.ptr(), false, None)?;
     Ok(out)
 }
 
 /// `moe` of x written to `out` [t, H], or added onto it (`accumulate`: the residual). `xp`: x
-/// already prepared for the GEMMs (`gemm_x` of the same rows), else prepared here.
+/// already prepared for the GEMMs (`gemm_x` of the same rows), else prepared here. With `then`
+/// (a norm weight and its eps) on the GEMM path, also returns the new `out` rows prepared for the
+/// next block's GEMMs (`gemm_x_norm` of them with that norm, the same bits), from the combine.
+#[allow(clippy::too_many_arguments)]
 pub fn moe_into(
     b: &CudaBackend,
     x: &CudaTensor,
@@ -439,7 +442,8 @@ pub fn moe_into(
     dims: &MoeDims,
     out: u64,
     accumulate: bool,
-) -> Result<()> {
+    then: Option<(u64, f32)>,
+) -> Result<Option<GemmX>> {
     let c = &b.ctx;
     let (t, h) = (x.rows, x.cols);
     let (e, k) = (dims.num_experts, dims.top_k);
@@ -452,7 +456,7 @@ pub fn moe_into(
         if !accumulate {
             zero_words(c, out, t * h)?;
         }
-        return moe_rows(b, x, None, w, dims, &md, out);
+        return moe_rows(b, x, None, w, dims, &md, out).map(|()| None);
     }
     let gpu = b.gpu();
     // x rounded to bf16 with its group sums, once for every GEMM that reads it (router, experts'
@@ -537,6 +541,8 @@ pub fn moe_into(
         }
         shared_out = Some(sh);
     }
+    let next = then.map(|_| GemmX::alloc(c, h, t, h)).transpose()?;
+    let (norm, eps) = then.unwrap_or((0, 0.0));
     mo::combine(
         c,
         &mo::CombineArgs {
@@ -554,9 +560,15 @@ pub fn moe_into(
             topk: k as i32,
             ld_sg: ldl as i32,
             acc: accumulate as i32,
+            norm,
+            xb: next.as_ref().map_or(0, |p| p.xb()),
+            xs: next.as_ref().map_or(0, |p| p.xs()),
+            kpad: next.as_ref().map_or(0, |p| p.kpad as i32),
+            eps,
             pad0: 0,
         },
-    )
+    )?;
+    Ok(next)
 }
 
 /// The MoE block of a few tokens through the per-token expert kernels of the decode path: router

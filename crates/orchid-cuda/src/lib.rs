@@ -33,6 +33,7 @@ pub mod options;
 pub mod state;
 pub mod weights;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -60,9 +61,27 @@ pub struct CudaTensor {
     pub buf: DevBuf,
     pub rows: usize,
     pub cols: usize,
+    /// These rows already normalised and prepared for the GEMMs of the block that reads them
+    /// next (`moe_block` leaves them for the next `norm_matmuls`); cleared by every op that
+    /// writes the rows.
+    next_input: Cell<Option<NextInput>>,
+}
+
+/// `gemm_x_norm` of a tensor's rows with the norm weight at `norm` and `eps`.
+struct NextInput {
+    norm: u64,
+    eps: u32,
+    xp: ops::gemm::GemmX,
 }
 
 impl CudaTensor {
+    fn new(buf: DevBuf, rows: usize, cols: usize) -> CudaTensor {
+        CudaTensor { buf, rows, cols, next_input: Cell::new(None) }
+    }
+    /// Takes the rows' prepared input if it was made with this norm weight and eps.
+    fn take_next_input(&self, norm: &GpuVec, eps: f32) -> Option<ops::gemm::GemmX> {
+        self.next_input.take().filter(|p| p.norm == norm.buf.ptr && p.eps == eps.to_bits()).map(|p| p.xp)
+    }
     pub fn ptr(&self) -> u64 {
         self.buf.ptr
     }
@@ -114,14 +133,14 @@ impl CudaBackend {
     }
 
     pub fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
-        Ok(CudaTensor { buf: DevBuf::alloc(self.gpu(), rows * cols * 4)?, rows, cols })
+        Ok(CudaTensor::new(DevBuf::alloc(self.gpu(), rows * cols * 4)?, rows, cols))
     }
 
     /// Uploads a host matrix (tests and tools).
     pub fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaTensor> {
         assert_eq!(data.len(), rows * cols);
         self.gpu().bind()?;
-        Ok(CudaTensor { buf: DevBuf::from_slice(self.gpu(), data)?, rows, cols })
+        Ok(CudaTensor::new(DevBuf::from_slice(self.gpu(), data)?, rows, cols))
     }
 
     /// RoPE inverse frequencies (f32, computed like transformers and the CPU backend), cached.
@@ -220,6 +239,7 @@ impl Backend for CudaBackend {
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
         self.gpu().bind()?;
+        x.next_input.take();
         if (x.rows, x.cols) != (y.rows, y.cols) {
             return Err(shape_err("add", format!("[{}, {}] + [{}, {}]", x.rows, x.cols, y.rows, y.cols)));
         }
@@ -228,6 +248,7 @@ impl Backend for CudaBackend {
 
     fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &GpuVec, eps: f32) -> Result<CudaTensor> {
         self.gpu().bind()?;
+        x.next_input.take();
         if (x.rows, x.cols) != (y.rows, y.cols) || x.cols != w.len {
             return Err(shape_err("add_rms_norm", format!("[{}, {}] + [{}, {}], weight {}", x.rows, x.cols, y.rows, y.cols, w.len)));
         }
@@ -256,6 +277,7 @@ impl Backend for CudaBackend {
         }
         let c = &self.ctx;
         let t = x.rows;
+        let prepared = x.take_next_input(norm, eps);
         if ops::gemv::use_gemv(c, t) {
             // The matvec normalises x on load; weights that share format and K go in one launch.
             let outs = ws.iter().map(|w| self.tensor(t, w.rows)).collect::<Result<Vec<_>>>()?;
@@ -269,8 +291,12 @@ impl Backend for CudaBackend {
             }
             return Ok(outs);
         }
-        // x normalised and rounded to bf16 in one pass, once for every GEMM (all of the same K).
-        let xp = ops::gemm::gemm_x_norm(c, x.ptr(), x.cols, t, x.cols, norm.buf.ptr, eps, 0)?;
+        // x normalised and rounded to bf16 in one pass, once for every GEMM (all of the same K),
+        // unless the op that wrote x did so.
+        let xp = match prepared {
+            Some(xp) => xp,
+            None => ops::gemm::gemm_x_norm(c, x.ptr(), x.cols, t, x.cols, norm.buf.ptr, eps, 0)?,
+        };
         let outs = ws.iter().map(|w| self.tensor(t, w.rows)).collect::<Result<Vec<_>>>()?;
         // Neighbours of one format and K in one launch where the GEMM allows (the same bits).
         for run in ops::gemv::gemv_groups(ws) {
@@ -286,6 +312,7 @@ impl Backend for CudaBackend {
 
     fn matmul_add(&self, x: &mut CudaTensor, y: &CudaTensor, w: &GpuLinear) -> Result<()> {
         self.gpu().bind()?;
+        x.next_input.take();
         if y.cols != w.cols || w.count != 1 || (x.rows, x.cols) != (y.rows, w.rows) {
             return Err(shape_err(
                 "matmul_add",
@@ -300,8 +327,17 @@ impl Backend for CudaBackend {
         ops::gemm::matmul_add(&self.ctx, w, y.ptr(), y.cols, y.rows, x.ptr(), x.cols)
     }
 
-    fn moe_block(&self, x: &mut CudaTensor, norm: &GpuVec, eps: f32, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<()> {
+    fn moe_block(
+        &self,
+        x: &mut CudaTensor,
+        norm: &GpuVec,
+        eps: f32,
+        w: &MoeWeights<Self>,
+        dims: &MoeDims,
+        next: Option<&GpuVec>,
+    ) -> Result<()> {
         self.gpu().bind()?;
+        x.next_input.take();
         if x.rows <= ops::gemv::MAX_TOKENS.min(self.ctx.tuning.moe_rows_max)
             && let Some(md) = layers::moe_rows_experts(w, dims)
         {
@@ -309,10 +345,16 @@ impl Backend for CudaBackend {
             return layers::moe_rows(self, x, Some((norm.buf.ptr, eps)), w, dims, &md, x.ptr());
         }
         // The norm in the experts' input preparation (its f32 rows kept for the few-token GEMVs); the
-        // experts' weighted sum is added onto the residual by the combine kernel.
+        // experts' weighted sum is added onto the residual by the combine kernel, which also
+        // prepares the new rows for the next block's GEMMs (unless it takes the matvecs).
         let xn = self.tensor(x.rows, x.cols)?;
         let xp = ops::gemm::gemm_x_norm(&self.ctx, x.ptr(), x.cols, x.rows, x.cols, norm.buf.ptr, eps, xn.ptr())?;
-        layers::moe_into(self, &xn, Some(xp), w, dims, x.ptr(), true)
+        let then = next.filter(|_| !ops::gemv::use_gemv(&self.ctx, x.rows)).map(|n| (n.buf.ptr, eps));
+        let prepared = layers::moe_into(self, &xn, Some(xp), w, dims, x.ptr(), true, then)?;
+        if let (Some(xp), Some(n)) = (prepared, next) {
+            x.next_input.set(Some(NextInput { norm: n.buf.ptr, eps: eps.to_bits(), xp }));
+        }
+        Ok(())
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {

@@ -1399,6 +1399,20 @@ fn moe_routing_and_experts() {
             // Nor the weights' path into registers (8-token tiles: direct loads).
             let po = host(&pipe, &pipe.moe(&up(&pipe, t, h, &x), &gw, &cfg.moe).unwrap());
             report_same(&format!("moe direct weight loads = cp.async pipeline E={e} k={k} T={t}"), &go, &po);
+            // The whole block (norm, experts, residual add) leaving the next block's input prepared
+            // by its combine: the same residual rows and the same next projections as the next
+            // block's own norm and preparation.
+            let (nw, nn) = (g.upload_vector(&rng.vec(h, 1.0)).unwrap(), g.upload_vector(&rng.vec(h, 1.0)).unwrap());
+            let proj = g.upload_linear(&linear(&mut rng, 96, h, Fmt::Mlx, 4)).unwrap();
+            let block = |next: Option<&orchid_cuda::GpuVec>| {
+                let mut xt = up(&g, t, h, &x);
+                g.moe_block(&mut xt, &nw, 1e-6, &gw, &cfg.moe, next).unwrap();
+                let [p] = <[CudaTensor; 1]>::try_from(g.norm_matmuls(&xt, &nn, 1e-6, &[&proj]).unwrap()).ok().unwrap();
+                (host(&g, &xt), host(&g, &p))
+            };
+            let ((xa, pa), (xb, pb)) = (block(Some(&nn)), block(None));
+            report_same(&format!("moe_block's prepared next input: residual E={e} k={k} T={t}"), &xa, &xb);
+            report_same(&format!("moe_block's prepared next input: next projections E={e} k={k} T={t}"), &pa, &pb);
         }
     }
 }

@@ -208,8 +208,19 @@ pub trait Backend: Send + Sync + Sized + 'static {
         let p = self.matmul(y, w)?;
         self.add_assign(x, &p)
     }
-    /// The whole feed-forward block of a MoE layer: x += moe(rms_norm(x)).
-    fn moe_block(&self, x: &mut Self::Tensor, norm: &Self::Vector, eps: f32, w: &MoeWeights<Self>, dims: &MoeDims) -> Result<()> {
+    /// The whole feed-forward block of a MoE layer: x += moe(rms_norm(x)). `next`: the norm that
+    /// the block after this one applies to x first (its `norm_matmuls`), which a backend may
+    /// prepare while it writes x.
+    fn moe_block(
+        &self,
+        x: &mut Self::Tensor,
+        norm: &Self::Vector,
+        eps: f32,
+        w: &MoeWeights<Self>,
+        dims: &MoeDims,
+        next: Option<&Self::Vector>,
+    ) -> Result<()> {
+        let _ = next;
         let xn = self.rms_norm(x, norm, eps)?;
         let y = self.moe(&xn, w, dims)?;
         self.add_assign(x, &y)

@@ -296,7 +296,7 @@ impl GemmX {
     }
 
     /// Room for `rows` prepared rows of `k` columns read from a row stride of `ldx` floats.
-    fn alloc(c: &Ctx, ldx: usize, rows: usize, k: usize) -> Result<GemmX> {
+    pub fn alloc(c: &Ctx, ldx: usize, rows: usize, k: usize) -> Result<GemmX> {
         if !k.is_multiple_of(4) || !ldx.is_multiple_of(4) || ldx < k {
             return Err(Error::Op { op: "gemm", msg: format!("K {k} and the row stride {ldx} must be multiples of 4 (stride ≥ K)") });
         }

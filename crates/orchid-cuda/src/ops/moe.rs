@@ -58,8 +58,7 @@ crate::kernel_abi! {
     }
     #[derive(Clone, Copy, Default)]
     struct ListsArgs {
-        logits: u64,
-        wts: u64,
+        ids: u64,
         tiles: u64,
         num_tiles: u64,
         assign_tok: u64,
@@ -70,8 +69,6 @@ crate::kernel_abi! {
         bn: i32,
         /// 1: the shared expert is listed as expert E (`Routing::shared`).
         shared: i32,
-        ldl: i32,
-        renorm: i32,
         pad0: i32,
     }
     #[derive(Clone, Copy, Default)]
@@ -82,12 +79,19 @@ crate::kernel_abi! {
         shared: u64,
         shared_gate: u64,
         out: u64,
+        /// Not 0: the norm weight of the next block, whose GEMM input (`xb`, `xs`: a `GemmX` of
+        /// `kpad` columns) is prepared from the new rows too.
+        norm: u64,
+        xb: u64,
+        xs: u64,
         t: i32 => "T",
         h: i32 => "H",
         topk: i32,
         ld_sg: i32,
         /// Add the sum onto `out` (the residual) instead of storing it.
         acc: i32,
+        kpad: i32,
+        eps: f32,
         pad0: i32,
     }
 }
@@ -135,6 +139,27 @@ pub struct Routing {
     pub shared: bool,
 }
 
+impl Routing {
+    /// The top-k launch of this routing, with `ids` out and, where not 0, the experts' `counts`
+    /// and each scatter chunk's `chunk_counts` counted.
+    fn topk_args(&self, ids: u64, counts: u64, chunk_counts: u64) -> TopkArgs {
+        TopkArgs {
+            logits: self.logits,
+            ids,
+            wts: self.wts,
+            counts,
+            chunk_counts,
+            t: self.t as i32,
+            e: self.e as i32,
+            topk: self.k as i32,
+            renorm: self.renorm as i32,
+            ldl: self.ldl as i32,
+            chunk_tokens: SCATTER_CHUNK_TOKENS as i32,
+            ..Default::default()
+        }
+    }
+}
+
 /// The routing of any number of tokens (prompt chunks) in four launches: top-k with the experts'
 /// counts (in all and per chunk of `SCATTER_CHUNK_TOKENS` tokens), their scan into offsets and the
 /// tile table, the stable scatter into the lists (a block per chunk).
@@ -154,24 +179,10 @@ pub fn route_chain(c: &Ctx, r: &Routing) -> Result<()> {
     let counts = DevBuf::alloc(&c.gpu, (1 + chunks) * r.e * 4)?;
     let chunk_counts = counts.ptr + (r.e * 4) as u64;
     zero_words(c, counts.ptr, (1 + chunks) * r.e)?;
-    let (t, e, topk, chunk_tokens) = (r.t as i32, r.e as i32, r.k as i32, SCATTER_CHUNK_TOKENS as i32);
-    let ta = TopkArgs {
-        logits: r.logits,
-        ids: ids.ptr,
-        wts: r.wts,
-        counts: counts.ptr,
-        chunk_counts,
-        t,
-        e,
-        topk,
-        renorm: r.renorm as i32,
-        ldl: r.ldl as i32,
-        chunk_tokens,
-        ..Default::default()
-    };
-    self::topk(c, &ta)?;
+    topk(c, &r.topk_args(ids.ptr, counts.ptr, chunk_counts))?;
     let offsets = DevBuf::alloc(&c.gpu, r.e * 4)?;
     let cursor = DevBuf::alloc(&c.gpu, r.e * 4)?;
+    let (t, e, topk, chunk_tokens) = (r.t as i32, r.e as i32, r.k as i32, SCATTER_CHUNK_TOKENS as i32);
     let (tiles, num_tiles, bn) = (r.tiles, r.num_tiles, r.bn as i32);
     scan(c, &ScanArgs { counts: counts.ptr, offsets: offsets.ptr, cursor: cursor.ptr, tiles, num_tiles, e, bn, ..Default::default() })?;
     let (assign_tok, slot_pos) = (r.assign_tok, r.slot_pos);
@@ -181,8 +192,8 @@ pub fn route_chain(c: &Ctx, r: &Routing) -> Result<()> {
 /// Most assignments (tokens x top-k) `route_small` takes: one per thread of its block.
 pub const ROUTE_SMALL_MAX: usize = 1024;
 
-/// `route_chain` of at most `ROUTE_SMALL_MAX` assignments (batched decode) in one launch, bit for
-/// bit: the top-k, the counts, scans, tile table and lists in one block.
+/// `route_chain` of at most `ROUTE_SMALL_MAX` assignments (batched decode) in two launches, bit
+/// for bit: the top-k over many blocks, then the counts, scans, tile table and lists in one block.
 pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
     if r.t * r.k > ROUTE_SMALL_MAX || r.e > MOE_E_MAX {
         return Err(orchid_model::error::Error::Op {
@@ -190,9 +201,10 @@ pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
             msg: format!("{} tokens x top-{} over {} experts (at most {ROUTE_SMALL_MAX} assignments, {MOE_E_MAX} experts)", r.t, r.k, r.e),
         });
     }
+    let ids = DevBuf::alloc(&c.gpu, r.t * r.k * 4)?;
+    topk(c, &r.topk_args(ids.ptr, 0, 0))?;
     let a = ListsArgs {
-        logits: r.logits,
-        wts: r.wts,
+        ids: ids.ptr,
         tiles: r.tiles,
         num_tiles: r.num_tiles,
         assign_tok: r.assign_tok,
@@ -202,15 +214,16 @@ pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
         topk: r.k as i32,
         bn: r.bn as i32,
         shared: r.shared as i32,
-        ldl: r.ldl as i32,
-        renorm: r.renorm as i32,
         pad0: 0,
     };
     c.k("moe_lists").launch(&c.gpu, (1, 1, 1), 1024, 0, &a)
 }
 
+/// The experts' weighted sum per token (a block per 256 outputs of a token; with `a.norm`, a block
+/// per token, which also prepares the next block's input).
 pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {
-    c.k("moe_combine").launch(&c.gpu, (a.t as u32, (a.h as u32).div_ceil(256), 1), 256, 0, a)
+    let per_token = if a.norm != 0 { 1 } else { (a.h as u32).div_ceil(256) };
+    c.k("moe_combine").launch(&c.gpu, (a.t as u32, per_token, 1), 256, 0, a)
 }
 
 #[cfg(test)]
@@ -220,7 +233,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::TopkArgs>(), 72);
         assert_eq!(std::mem::size_of::<super::ScanArgs>(), 56);
         assert_eq!(std::mem::size_of::<super::ScatterArgs>(), 56);
-        assert_eq!(std::mem::size_of::<super::CombineArgs>(), 72);
-        assert_eq!(std::mem::size_of::<super::ListsArgs>(), 80);
+        assert_eq!(std::mem::size_of::<super::CombineArgs>(), 104);
+        assert_eq!(std::mem::size_of::<super::ListsArgs>(), 64);
     }
 }

@@ -37,10 +37,11 @@ impl<B: Backend> Ffn<B> {
         })
     }
 
-    /// x += FFN(rms_norm(x)) (`norm`: the layer's post-attention norm); x [T, H].
-    pub fn forward(&self, b: &B, x: &mut B::Tensor, norm: &B::Vector, cfg: &ModelConfig) -> Result<()> {
+    /// x += FFN(rms_norm(x)) (`norm`: the layer's post-attention norm; `next`: the norm the next
+    /// block starts with, see `Backend::moe_block`); x [T, H].
+    pub fn forward(&self, b: &B, x: &mut B::Tensor, norm: &B::Vector, next: Option<&B::Vector>, cfg: &ModelConfig) -> Result<()> {
         match self {
-            Ffn::Moe(w) => b.moe_block(x, norm, cfg.rms_norm_eps, w, &cfg.moe),
+            Ffn::Moe(w) => b.moe_block(x, norm, cfg.rms_norm_eps, w, &cfg.moe, next),
             Ffn::Dense(m) => m.forward(b, x, norm, cfg.rms_norm_eps),
         }
     }

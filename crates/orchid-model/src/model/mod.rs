@@ -93,19 +93,23 @@ impl<B: Backend> Model<B> {
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
             return Err(Error::Op { op: "forward", msg: format!("token id {bad} is outside the vocabulary ({})", self.config.vocab_size) });
         }
+        // Spans of one token each (decode): their last rows are all the rows.
+        let select = matches!(rows, LogitRows::LastOfEachSpan) && batch.spans.iter().any(|s| s.len > 1);
         let mut x = b.embed(&self.embed_tokens, ids)?;
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
             match &layer.mixer {
                 Mixer::Attention(a) => a.forward(b, &mut x, &layer.input_layernorm, &self.config, batch, state)?,
                 Mixer::DeltaNet(d) => d.forward(b, &mut x, &layer.input_layernorm, &self.config, batch, state)?,
             }
-            layer.ffn.forward(b, &mut x, &layer.post_attention_layernorm, &self.config)?;
+            // The norm the rows of x meet next: the next layer's, or the final one unless only
+            // some rows go on to the lm_head.
+            let next = match self.layers.get(i + 1) {
+                Some(l) => Some(&l.input_layernorm),
+                None => (!select).then_some(&self.norm),
+            };
+            layer.ffn.forward(b, &mut x, &layer.post_attention_layernorm, next, &self.config)?;
         }
-        // Spans of one token each (decode): their last rows are all the rows.
-        let x = match rows {
-            LogitRows::LastOfEachSpan if batch.spans.iter().any(|s| s.len > 1) => b.select_rows(&x, &batch.last_rows())?,
-            _ => x,
-        };
+        let x = if select { b.select_rows(&x, &batch.last_rows())? } else { x };
         let [logits] = attention::projections(b.norm_matmuls(&x, &self.norm, eps, &[&self.lm_head])?)?;
         Ok(logits)
     }
