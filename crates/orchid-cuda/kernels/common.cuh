@@ -96,12 +96,12 @@ DEVI float group64_sum(u32 p0, u32 p1) {
 
 // A row's GEMM input as gemm_xprep_norm prepares it, once the row's 1 / rms is known: y = x · inv
 // · w (the order rms_norm forms it), rounded to bf16 into xb [kpad] (zero past K) with each
-// 64-group's sum of the rounded values into xs [kpad / 64]; with yr (not null) the f32 y too. A
-// block of 256 threads: warp w takes the runs of 128 columns w, w + 8, ..., lane L the float4 at
-// 4L of each. Needs K % 4 == 0.
+// 64-group's sum of the rounded values into xs [kpad / 64]; with yr (not null) the f32 y too. The
+// block's warps take the runs of 128 columns in turn, lane L the float4 at 4L of each (a run's
+// values and sums depend on that run alone). Needs K % 4 == 0.
 DEVI void norm_prep_row(const float* xr, const float* nw, float inv, __nv_bfloat16* xb, float* xs, float* yr, int K, int kpad) {
     const int lane = threadIdx.x & 31, runs = kpad >> 7;
-    for (int run = threadIdx.x >> 5; run < runs; run += 8) {
+    for (int run = threadIdx.x >> 5; run < runs; run += blockDim.x >> 5) {
         const int k = run * 128 + 4 * lane;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (k < K) {

@@ -179,29 +179,32 @@ extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs 
 
 // out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :]; with
 // acc, out[t, :] plus that sum (the residual add of the MoE block, as add_assign would do it).
-// grid (T, ceil(H / 256)): a thread per output, its k + 1 rows' loads in flight together.
-// With a.norm (grid (T, 1): thread i takes columns i, i + 256, ..., rms_norm's sum of squares
-// order), the new row is also prepared for the next block's GEMMs as gemm_xprep_norm with that
-// norm would prepare it (the same bits): xb, xs rows of a.kpad columns.
-extern "C" __global__ void __launch_bounds__(256) moe_combine(const CombineArgs a) {
+// grid (T, ceil(H / 256)), 256 threads: a thread per output, its k + 1 rows' loads in flight
+// together. With a.norm (grid (T, 1), 1024 threads: a block per token), the new row is also
+// prepared for the next block's GEMMs as gemm_xprep_norm with that norm prepares it (the same
+// bits): its first 256 threads sum the squares in that kernel's order (thread i: columns i,
+// i + 256, ...; the other warps add zeros to block_sum), then norm_prep_row into xb, xs (rows of
+// a.kpad columns).
+extern "C" __global__ void __launch_bounds__(1024) moe_combine(const CombineArgs a) {
     pdl_enter();
     __shared__ float red[32];
     const int t = blockIdx.x;
     const float* w = (const float*)a.wts + (i64)t * a.topk;
     const int* sp = (const int*)a.slot_pos + (i64)t * a.topk;
     float gs = a.shared ? 1.f / (1.f + expf(-((const float*)a.shared_gate)[(i64)t * a.ld_sg])) : 0.f;
-    float ss = 0.f;
     float* row = (float*)a.out + (i64)t * a.H;
     for (int h = blockIdx.y * blockDim.x + threadIdx.x; h < a.H; h += gridDim.y * blockDim.x) {
         float acc = 0.f;
         for (int s = 0; s < a.topk; ++s) acc += w[s] * ((const float*)a.y)[(i64)sp[s] * a.H + h];
         if (a.shared) acc += gs * ((const float*)a.shared)[(i64)t * a.H + h];
-        const float v = a.acc ? row[h] + acc : acc;
-        row[h] = v;
-        ss += v * v;
+        row[h] = a.acc ? row[h] + acc : acc;
     }
     if (!a.norm) return;
-    ss = block_sum(ss, red);  // its barriers also make the row's stores visible to the block
+    __syncthreads();  // the row's stores visible to the block
+    float ss = 0.f;
+    if (threadIdx.x < 256)
+        for (int i = threadIdx.x; i < a.H; i += 256) ss += row[i] * row[i];
+    ss = block_sum(ss, red);
     const float inv = 1.f / sqrtf(ss / a.H + a.eps);
     norm_prep_row(row, (const float*)a.norm, inv, (__nv_bfloat16*)a.xb + (i64)t * a.kpad, (float*)a.xs + (i64)t * (a.kpad >> 6), nullptr,
                   a.H, a.kpad);

@@ -345,11 +345,13 @@ impl Backend for CudaBackend {
             return layers::moe_rows(self, x, Some((norm.buf.ptr, eps)), w, dims, &md, x.ptr());
         }
         // The norm in the experts' input preparation (its f32 rows kept for the few-token GEMVs); the
-        // experts' weighted sum is added onto the residual by the combine kernel, which also
-        // prepares the new rows for the next block's GEMMs (unless it takes the matvecs).
+        // experts' weighted sum is added onto the residual by the combine kernel, which for many
+        // rows also prepares them for the next block's GEMMs.
         let xn = self.tensor(x.rows, x.cols)?;
         let xp = ops::gemm::gemm_x_norm(&self.ctx, x.ptr(), x.cols, x.rows, x.cols, norm.buf.ptr, eps, xn.ptr())?;
-        let then = next.filter(|_| !ops::gemv::use_gemv(&self.ctx, x.rows)).map(|n| (n.buf.ptr, eps));
+        let then = next
+            .filter(|_| x.rows >= self.ctx.tuning.combine_norm_min && !ops::gemv::use_gemv(&self.ctx, x.rows))
+            .map(|n| (n.buf.ptr, eps));
         let prepared = layers::moe_into(self, &xn, Some(xp), w, dims, x.ptr(), true, then)?;
         if let (Some(xp), Some(n)) = (prepared, next) {
             x.next_input.set(Some(NextInput { norm: n.buf.ptr, eps: eps.to_bits(), xp }));

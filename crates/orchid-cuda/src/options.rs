@@ -97,6 +97,10 @@ pub struct Tuning {
     /// The GDN chunk scan's products on tensor cores (`ops::deltanet::scan_on_tensor_cores`,
     /// 3xTF32) where its dims allow; false: f32 FMAs.
     pub gdn_scan_tc: bool,
+    /// MoE blocks of at least this many rows on the GEMM path prepare the next block's GEMM input
+    /// in their combine (`moe_combine` with a norm: a block per token); smaller ones leave it to
+    /// the next block's `gemm_xprep_norm`.
+    pub combine_norm_min: usize,
 }
 
 impl Default for Tuning {
@@ -121,6 +125,7 @@ impl Default for Tuning {
             gemm_wgmma: true,
             gemm_direct: true,
             gdn_scan_tc: true,
+            combine_norm_min: 129,
         }
     }
 }
@@ -152,6 +157,7 @@ impl Tuning {
             gemm_wgmma: self.gemm_wgmma,
             gemm_direct: self.gemm_direct,
             gdn_scan_tc: self.gdn_scan_tc,
+            combine_norm_min: self.combine_norm_min,
         }
     }
 }
@@ -184,6 +190,7 @@ mod tests {
             gemm_wgmma: false,
             gemm_direct: false,
             gdn_scan_tc: false,
+            combine_norm_min: 0,
         };
         let c = wild.clamped();
         assert_eq!((c.gemv_per_sm, c.moe_up_ksplit, c.router_kparts, c.attn_min_tiles), (3, 8, 1, 4096));

@@ -1347,6 +1347,8 @@ fn moe_routing_and_experts() {
     let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..Default::default() }).unwrap();
     // The 8-token tiles' weights through the cp.async pipeline instead of straight into registers.
     let pipe = g.with_tuning(&orchid_cuda::Tuning { gemm_direct: false, ..Default::default() }).unwrap();
+    // Every MoE block on the GEMM path preparing the next block's input in its combine.
+    let fused = g.with_tuning(&orchid_cuda::Tuning { combine_norm_min: 0, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(6);
     // (E, k, H, I, Is, T list)
@@ -1404,13 +1406,13 @@ fn moe_routing_and_experts() {
             // block's own norm and preparation.
             let (nw, nn) = (g.upload_vector(&rng.vec(h, 1.0)).unwrap(), g.upload_vector(&rng.vec(h, 1.0)).unwrap());
             let proj = g.upload_linear(&linear(&mut rng, 96, h, Fmt::Mlx, 4)).unwrap();
-            let block = |next: Option<&orchid_cuda::GpuVec>| {
-                let mut xt = up(&g, t, h, &x);
-                g.moe_block(&mut xt, &nw, 1e-6, &gw, &cfg.moe, next).unwrap();
-                let [p] = <[CudaTensor; 1]>::try_from(g.norm_matmuls(&xt, &nn, 1e-6, &[&proj]).unwrap()).ok().unwrap();
-                (host(&g, &xt), host(&g, &p))
+            let block = |b: &CudaBackend, next: Option<&orchid_cuda::GpuVec>| {
+                let mut xt = up(b, t, h, &x);
+                b.moe_block(&mut xt, &nw, 1e-6, &gw, &cfg.moe, next).unwrap();
+                let [p] = <[CudaTensor; 1]>::try_from(b.norm_matmuls(&xt, &nn, 1e-6, &[&proj]).unwrap()).ok().unwrap();
+                (host(b, &xt), host(b, &p))
             };
-            let ((xa, pa), (xb, pb)) = (block(Some(&nn)), block(None));
+            let ((xa, pa), (xb, pb)) = (block(&fused, Some(&nn)), block(&g, None));
             report_same(&format!("moe_block's prepared next input: residual E={e} k={k} T={t}"), &xa, &xb);
             report_same(&format!("moe_block's prepared next input: next projections E={e} k={k} T={t}"), &pa, &pb);
         }

@@ -219,11 +219,11 @@ pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
     c.k("moe_lists").launch(&c.gpu, (1, 1, 1), 1024, 0, &a)
 }
 
-/// The experts' weighted sum per token (a block per 256 outputs of a token; with `a.norm`, a block
-/// per token, which also prepares the next block's input).
+/// The experts' weighted sum per token (a block of 256 per 256 outputs of a token; with `a.norm`,
+/// a block of 1024 per token, which also prepares the next block's input).
 pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {
-    let per_token = if a.norm != 0 { 1 } else { (a.h as u32).div_ceil(256) };
-    c.k("moe_combine").launch(&c.gpu, (a.t as u32, per_token, 1), 256, 0, a)
+    let (blocks, threads) = if a.norm != 0 { (1, 1024) } else { ((a.h as u32).div_ceil(256), 256) };
+    c.k("moe_combine").launch(&c.gpu, (a.t as u32, blocks, 1), threads, 0, a)
 }
 
 #[cfg(test)]
