@@ -180,10 +180,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_scatter(const ScatterArgs 
 // out[t, :] = Σ_slot w[t, slot] · y[slot_pos[t, slot], :] + sigmoid(sg[t]) · shared[t, :]; with
 // acc, out[t, :] plus that sum (the residual add of the MoE block, as add_assign would do it).
 // grid (T, ceil(H / 256)), 256 threads: a thread per output, its k + 1 rows' loads in flight
-// together. With a.norm (grid (T, 1), 1024 threads: a block per token), the new row is also
-// prepared for the next block's GEMMs as gemm_xprep_norm with that norm prepares it (the same
-// bits): its first 256 threads sum the squares in that kernel's order (thread i: columns i,
-// i + 256, ...; the other warps add zeros to block_sum), then norm_prep_row into xb, xs (rows of
+// together. With a.norm (grid (T, 1): a block of 256 or 1024 threads per token), the new row is
+// also prepared for the next block's GEMMs as gemm_xprep_norm with that norm prepares it (the
+// same bits): the first 256 threads sum the squares in that kernel's order (thread i: columns i,
+// i + 256, ...; other warps add zeros to block_sum), then norm_prep_row into xb, xs (rows of
 // a.kpad columns).
 extern "C" __global__ void __launch_bounds__(1024) moe_combine(const CombineArgs a) {
     pdl_enter();

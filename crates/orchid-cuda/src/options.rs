@@ -125,7 +125,7 @@ impl Default for Tuning {
             gemm_wgmma: true,
             gemm_direct: true,
             gdn_scan_tc: true,
-            combine_norm_min: 129,
+            combine_norm_min: 9,
         }
     }
 }

@@ -219,10 +219,18 @@ pub fn route_small(c: &Ctx, r: &Routing) -> Result<()> {
     c.k("moe_lists").launch(&c.gpu, (1, 1, 1), 1024, 0, &a)
 }
 
-/// The experts' weighted sum per token (a block of 256 per 256 outputs of a token; with `a.norm`,
-/// a block of 1024 per token, which also prepares the next block's input).
+/// Most tokens whose `combine` with a norm takes blocks of 1024 threads.
+const COMBINE_WIDE_ROWS: usize = 128;
+
+/// The experts' weighted sum per token (a block of 256 per 256 outputs of a token). With `a.norm`
+/// a block per token, which also prepares the next block's input: 1024 threads for a decode
+/// batch (few blocks: more loads in flight each), 256 for a prompt (more blocks per SM).
 pub fn combine(c: &Ctx, a: &CombineArgs) -> Result<()> {
-    let (blocks, threads) = if a.norm != 0 { (1, 1024) } else { ((a.h as u32).div_ceil(256), 256) };
+    let (blocks, threads) = match a.norm {
+        0 => ((a.h as u32).div_ceil(256), 256),
+        _ if a.t as usize <= COMBINE_WIDE_ROWS => (1, 1024),
+        _ => (1, 256),
+    };
     c.k("moe_combine").launch(&c.gpu, (a.t as u32, blocks, 1), threads, 0, a)
 }
 
