@@ -9,8 +9,8 @@
 //! adds are. It is written with the backend's fusions of those patterns (`norm_matmuls`: a
 //! block's input projections; `matmul_add`: its output projection onto the residual; `moe_block`:
 //! the whole MoE half, told the norm the next block starts with), so a backend fuses them without
-//! a second copy of the walk; on CUDA a
-//! batched decode step is a capture of this function (`orchid_cuda::BatchGraph`).
+//! a second copy of the walk; on CUDA a batched decode step is a capture of this function
+//! (`orchid_cuda::BatchGraph`).
 //! Mixer is gated full attention (every 4th layer in the real models) or Gated DeltaNet; FFN
 //! is the sparse MoE (or a dense SwiGLU MLP on Qwen3-Next's optional dense layers).
 
