@@ -1182,6 +1182,54 @@ fn deltanet_decode_rows_vs_cpu() {
     }
 }
 
+/// The first `n` 4-byte words of a device buffer.
+fn dev_words(b: &orchid_cuda::driver::DevBuf, n: usize) -> Vec<u32> {
+    let mut v = vec![0u8; n * 4];
+    b.download(0, &mut v).unwrap();
+    v.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// What a routing wrote: the weights, the tile table (its used part), the tile count, and the
+/// lists (`assign_tok`, `slot_pos`), as words.
+type RoutedWords = (Vec<u32>, Vec<u32>, usize, Vec<u32>, Vec<u32>);
+
+/// Runs `route` (`route_small` or `route_chain`) of the logits [t, e] at `logits` (top-k,
+/// renormalised, tiles of `bn` tokens, the shared expert listed where `shared`) into fresh buffers.
+#[allow(clippy::too_many_arguments)]
+fn routed(
+    g: &CudaBackend,
+    route: fn(&orchid_cuda::ops::Ctx, &orchid_cuda::ops::moe::Routing) -> orchid_model::error::Result<()>,
+    logits: u64,
+    t: usize,
+    e: usize,
+    k: usize,
+    bn: usize,
+    shared: bool,
+) -> RoutedWords {
+    let listed = t * k + if shared { t } else { 0 };
+    let max_tiles = listed.div_ceil(bn) + e + 1;
+    let alloc = |words: usize| orchid_cuda::driver::DevBuf::zeros(&g.ctx.gpu, words * 4).unwrap();
+    let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(listed), alloc(t * k));
+    let r = orchid_cuda::ops::moe::Routing {
+        logits,
+        ldl: e,
+        t,
+        e,
+        k,
+        renorm: true,
+        bn,
+        wts: wts.ptr,
+        tiles: tiles.ptr,
+        num_tiles: num.ptr,
+        assign_tok: at.ptr,
+        slot_pos: sp.ptr,
+        shared,
+    };
+    route(&g.ctx, &r).unwrap();
+    let n = dev_words(&num, 1)[0] as usize;
+    (dev_words(&wts, t * k), dev_words(&tiles, 4 * n.min(max_tiles)), n, dev_words(&at, listed), dev_words(&sp, t * k))
+}
+
 /// The two-launch routing of batched decode (`route_small`: top-k, then the lists in one block)
 /// gives the bits of the prefill chain (top-k with counts, scan, scatter): routing weights, tile
 /// table and lists, with ties in the logits and up to the full 1024 assignments. With the shared
@@ -1192,11 +1240,6 @@ fn moe_route_small_equals_chain() {
     use orchid_cuda::ops::moe as mo;
     let g = gpu();
     let mut rng = Rng::new(22);
-    let words = |b: &orchid_cuda::driver::DevBuf, n: usize| {
-        let mut v = vec![0u8; n * 4];
-        b.download(0, &mut v).unwrap();
-        v.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>()
-    };
     for &(e, k) in &[(256usize, 8usize), (512, 10), (16, 4)] {
         for &t in &[1usize, 9, 16, 33, 64, 102, 128, 256] {
             if t * k > mo::ROUTE_SMALL_MAX {
@@ -1206,30 +1249,8 @@ fn moe_route_small_equals_chain() {
             let logits: Vec<f32> = rng.vec(t * e, 2.0).iter().map(|v| (v * 8.0).round() / 8.0).collect();
             let gl = up(&g, t, e, &logits);
             let bn = 32;
-            let max_tiles = (t * k + t).div_ceil(bn) + e + 1;
-            let alloc = |words: usize| orchid_cuda::driver::DevBuf::zeros(&g.ctx.gpu, words * 4).unwrap();
             let run = |small: bool, shared: bool| {
-                let listed = t * k + if shared { t } else { 0 };
-                let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(listed), alloc(t * k));
-                let route = if small { mo::route_small } else { mo::route_chain };
-                let r = mo::Routing {
-                    logits: gl.ptr(),
-                    ldl: e,
-                    t,
-                    e,
-                    k,
-                    renorm: true,
-                    bn,
-                    wts: wts.ptr,
-                    tiles: tiles.ptr,
-                    num_tiles: num.ptr,
-                    assign_tok: at.ptr,
-                    slot_pos: sp.ptr,
-                    shared,
-                };
-                route(&g.ctx, &r).unwrap();
-                let n = words(&num, 1)[0] as usize;
-                (words(&wts, t * k), words(&tiles, 4 * n.min(max_tiles)), n, words(&at, listed), words(&sp, t * k))
+                routed(&g, if small { mo::route_small } else { mo::route_chain }, gl.ptr(), t, e, k, bn, shared)
             };
             let (a, b) = (run(true, false), run(false, false));
             let same = a == b && a.2 > 0;
@@ -1258,11 +1279,6 @@ fn moe_route_chain_lists_across_chunks() {
     use orchid_cuda::ops::moe as mo;
     let g = gpu();
     let mut rng = Rng::new(23);
-    let words = |b: &orchid_cuda::driver::DevBuf, n: usize| {
-        let mut v = vec![0u8; n * 4];
-        b.download(0, &mut v).unwrap();
-        v.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>()
-    };
     for &(e, k) in &[(256usize, 8usize), (512, 10)] {
         for &t in &[129usize, 255, 512, 1000, 4097, 8192] {
             // Each row a random order of e distinct logits 4/e apart (no near-ties).
@@ -1277,25 +1293,7 @@ fn moe_route_chain_lists_across_chunks() {
                 .collect();
             let gl = up(&g, t, e, &logits);
             let bn = 64;
-            let max_tiles = (t * k).div_ceil(bn) + e;
-            let alloc = |words: usize| orchid_cuda::driver::DevBuf::zeros(&g.ctx.gpu, words * 4).unwrap();
-            let (wts, tiles, num, at, sp) = (alloc(t * k), alloc(max_tiles * 4), alloc(1), alloc(t * k), alloc(t * k));
-            let r = mo::Routing {
-                logits: gl.ptr(),
-                ldl: e,
-                t,
-                e,
-                k,
-                renorm: true,
-                bn,
-                wts: wts.ptr,
-                tiles: tiles.ptr,
-                num_tiles: num.ptr,
-                assign_tok: at.ptr,
-                slot_pos: sp.ptr,
-                shared: false,
-            };
-            mo::route_chain(&g.ctx, &r).unwrap();
+            let (_, tiles, n, at, sp) = routed(&g, mo::route_chain, gl.ptr(), t, e, k, bn, false);
             // Expected: ids per (token, slot), then the lists and tiles they imply.
             let ids: Vec<usize> = (0..t)
                 .flat_map(|tk| {
@@ -1320,11 +1318,7 @@ fn moe_route_chain_lists_across_chunks() {
                 want_sp[i] = next[x] as u32;
                 next[x] += 1;
             }
-            let n = words(&num, 1)[0] as usize;
-            let same = n * 4 == want_tiles.len()
-                && words(&tiles, 4 * n.min(max_tiles)) == want_tiles
-                && words(&at, t * k) == want_at
-                && words(&sp, t * k) == want_sp;
+            let same = n * 4 == want_tiles.len() && tiles == want_tiles && at == want_at && sp == want_sp;
             report(
                 &format!("route_chain lists over {} chunks E={e} k={k} T={t}", t.div_ceil(mo::SCATTER_CHUNK_TOKENS)),
                 if same { 0.0 } else { f64::INFINITY },
