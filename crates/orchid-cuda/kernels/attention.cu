@@ -79,14 +79,32 @@ DEVI void prep_kv(const PrepArgs& a, int t, int kh, int pos, const Rope& rp, flo
         if (lane + 32 * i < D) vd[lane + 32 * i] = __float2bfloat16_rn(vv[i]);
 }
 
+// A batched launch (spans != 0) runs one sequence's span per grid z (AttnSpan, built by
+// layers.rs): its rows of the projections from row0 on, its query rows, block table, length and
+// start.
+DEVI PrepArgs prep_span(PrepArgs a) {
+    if (a.spans) {
+        const AttnSpan s = ((const AttnSpan*)a.spans)[blockIdx.z];
+        a.qg += (u64)s.row0 * a.ldq * 4;
+        a.k += (u64)s.row0 * a.ldk * 4;
+        a.v += (u64)s.row0 * a.ldk * 4;
+        a.q_out = s.q;
+        a.table = s.table;
+        a.T = s.T;
+        a.start = s.start;
+    }
+    return a;
+}
+
 // q/k RMSNorm (multiplier weights), partial RoPE at the token's position, q -> bf16 [T][Hq][D],
 // K/V -> the cache. One warp per (token, head); heads Hq.. Hq+Hkv-1 are the KV heads.
-extern "C" __global__ void __launch_bounds__(128) attn_prep(const PrepArgs a) {
+extern "C" __global__ void __launch_bounds__(128) attn_prep(const PrepArgs a0) {
     __shared__ float buf[4][256];
     pdl_enter();
+    const PrepArgs a = prep_span(a0);
     const int warp = threadIdx.x >> 5;
     const int t = blockIdx.x, h = blockIdx.y * 4 + warp;
-    if (h >= a.Hq + a.Hkv) return;
+    if (h >= a.Hq + a.Hkv || t >= a.T) return;
     const int pos = (a.pos_ptr ? *(const int*)a.pos_ptr : a.start) + t;
     const Rope rp = rope_lane(pos, a.R, (const float*)a.inv_freq);
     if (h < a.Hq) {

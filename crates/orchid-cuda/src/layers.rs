@@ -44,15 +44,20 @@ pub fn attention(
     let q_bf = DevBuf::alloc(b.gpu(), t_all * hq * d * 2)?;
     let inv_freq = b.inv_freq(dims.rope_theta, dims.rotary_dim)?;
     let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
-    // Spans of several tokens without split-KV: one prefill launch for all of them, after the loop.
-    let mut plain: Vec<at::AttnSpan> = Vec::new();
-    let mut plain_args = None;
-    for (span, off) in batch.spans.iter().zip(batch.offsets()) {
+    for span in &batch.spans {
         let have = state.slot(span.slot)?.attn_len[layer];
         if have != span.start {
             return Err(Error::Op { op: "attention", msg: format!("span starts at {} but the cache holds {have}", span.start) });
         }
         state.ensure_capacity(span.slot, span.start + span.len)?;
+    }
+    // Spans of several tokens: one launch of their q/k norms, RoPE and cache appends; those
+    // without split-KV also one prefill launch, after the loop.
+    let mut prep_spans: Vec<at::AttnSpan> = Vec::new();
+    let mut plain: Vec<at::AttnSpan> = Vec::new();
+    let mut plain_args = None;
+    let mut prep_args = None;
+    for (span, off) in batch.spans.iter().zip(batch.offsets()) {
         let p = at::PrepArgs {
             qg: inp.q_gate.row_ptr(off),
             k: inp.k.row_ptr(off),
@@ -78,9 +83,6 @@ pub fn attention(
             eps,
             ..Default::default()
         };
-        if span.len > 1 {
-            at::prep(c, &p)?; // one token: folded into the decode kernel below
-        }
         let mut a = at::AttnArgs {
             q: p.q_out,
             kpool: p.kpool,
@@ -98,7 +100,13 @@ pub fn attention(
             scale_log2,
             ..Default::default()
         };
+        let entry = at::AttnSpan { q: a.q, gate: a.gate, out: a.out, table: a.table, t: a.t, start: a.start, row0: off as i32, pad0: 0 };
+        if span.len > 1 {
+            prep_spans.push(entry);
+            prep_args = Some(p);
+        }
         if span.len == 1 {
+            // Its prep is folded into the decode kernel (which reads its own slot's cache only).
             let nsplit = at::decode_splits(span.start + 1, hkv, b.gpu().sms as usize);
             let nz = g.div_ceil(16);
             let part_o = DevBuf::alloc(b.gpu(), hkv * nz * nsplit * 16 * d * 4)?;
@@ -110,9 +118,12 @@ pub fn attention(
         } else {
             let nsplit = at::prefill_splits(span.len, g, hkv, span.start, b.gpu().sms as usize, c.tuning.attn_prefill_splits);
             if nsplit <= 1 {
-                plain.push(at::AttnSpan { q: a.q, gate: a.gate, out: a.out, table: a.table, t: a.t, start: a.start });
+                plain.push(entry);
                 plain_args = Some(a);
             } else {
+                if let Some(pa) = prep_args.take() {
+                    prep_batch(b, &pa, &mut prep_spans)?;
+                }
                 // Few query tiles over a long context: split-KV (partials merged by a second kernel).
                 let (no, nml) = at::prefill_parts(span.len, g, hkv, d, nsplit);
                 let parts = (DevBuf::alloc(b.gpu(), no * 4)?, DevBuf::alloc(b.gpu(), nml * 4)?);
@@ -122,12 +133,25 @@ pub fn attention(
         }
         state.slot_mut(span.slot)?.attn_len[layer] += span.len;
     }
+    if let Some(pa) = prep_args.take() {
+        prep_batch(b, &pa, &mut prep_spans)?;
+    }
     if let Some(a) = plain_args {
         let table = DevBuf::from_slice(b.gpu(), &plain)?;
         let t = plain.iter().map(|s| s.t).max().unwrap_or(0);
         at::prefill(c, &at::AttnArgs { spans: table.ptr, nspans: plain.len() as i32, t, ..a }, d)?;
     }
     Ok(out)
+}
+
+/// One `attn_prep` launch for the spans gathered so far (taken from `spans`); `p` holds the
+/// batch's shared arguments.
+fn prep_batch(b: &CudaBackend, p: &at::PrepArgs, spans: &mut Vec<at::AttnSpan>) -> Result<()> {
+    let t = spans.iter().map(|s| s.t).max().unwrap_or(0);
+    let table = DevBuf::from_slice(b.gpu(), spans)?;
+    let n = spans.len() as i32;
+    spans.clear();
+    at::prep(&b.ctx, &at::PrepArgs { spans: table.ptr, nspans: n, t, ..*p })
 }
 
 pub fn deltanet(

@@ -595,6 +595,59 @@ fn attention_prefill_and_decode() {
     }
 }
 
+/// Several sequences' spans in one attention call (their q/k norms, RoPE and cache appends in one
+/// launch, the spans without split-KV in one prefill launch, a one-token span's decode) give each
+/// sequence's outputs bit for bit as its span alone.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_spans_in_one_call_equal_alone() {
+    use orchid_model::batch::SeqSpan;
+    let g = gpu();
+    let mut rng = Rng::new(24);
+    // (first pass, span) per sequence.
+    let seqs: [(usize, usize); 6] = [(0, 512), (37, 130), (64, 1), (5, 2), (1, 700), (12, 64)];
+    for (hq, hkv, d, gate) in [(16, 2, 256, true), (6, 1, 64, false)] {
+        let (mut cfg, _) = attn_states(hq, hkv, d);
+        cfg.attention.output_gate = gate;
+        let dims = cfg.attention.clone();
+        let norms = [rng.vec(d, 0.2), rng.vec(d, 0.2)].map(|v| g.upload_vector(&v.iter().map(|x| 1.0 + x).collect::<Vec<_>>()).unwrap());
+        let widths = [dims.q_proj_rows(), hkv * d, hkv * d];
+        let inputs: Vec<[Vec<f32>; 3]> = seqs.iter().map(|&(p, t)| std::array::from_fn(|i| rng.vec((p + t) * widths[i], 1.0))).collect();
+        // One attention call over spans (slot, sequence, from, to); the output rows.
+        let fwd = |st: &mut orchid_cuda::CudaState, spans: &[(usize, usize, usize, usize)]| -> Vec<f32> {
+            let rows: usize = spans.iter().map(|s| s.3 - s.2).sum();
+            let gt: [CudaTensor; 3] = std::array::from_fn(|i| {
+                let v: Vec<f32> = spans.iter().flat_map(|s| inputs[s.1][i][s.2 * widths[i]..s.3 * widths[i]].to_vec()).collect();
+                up(&g, rows, widths[i], &v)
+            });
+            let inp = AttentionInputs::<CudaBackend> { q_gate: &gt[0], k: &gt[1], v: &gt[2], q_norm: &norms[0], k_norm: &norms[1] };
+            let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.2, len: s.3 - s.2 }).collect() };
+            host(&g, &g.attention(inp, &dims, 1e-6, 0, &batch, st).unwrap())
+        };
+        let n = seqs.len();
+        let mut st = g.new_state(&cfg, StateOptions::new(2 * n, 2048)).unwrap();
+        let slots: Vec<usize> = (0..2 * n).map(|_| st.alloc().unwrap()).collect();
+        let (together, alone) = slots.split_at(n);
+        for (i, &(p, _)) in seqs.iter().enumerate() {
+            if p > 0 {
+                fwd(&mut st, &[(together[i], i, 0, p)]);
+                fwd(&mut st, &[(alone[i], i, 0, p)]);
+            }
+        }
+        let spans: Vec<_> = seqs.iter().enumerate().map(|(i, &(p, t))| (together[i], i, p, p + t)).collect();
+        let out = fwd(&mut st, &spans);
+        let mut row = 0;
+        for (i, &(p, t)) in seqs.iter().enumerate() {
+            let solo = fwd(&mut st, &[(alone[i], i, p, p + t)]);
+            let mine = &out[row * hq * d..(row + t) * hq * d];
+            row += t;
+            let name = format!("attention spans in one call Hq={hq} Hkv={hkv} D={d}: sequence {i} ({p} + {t})");
+            assert!(mine.iter().all(|x| x.is_finite()), "{name}: non-finite output");
+            report(&format!("{name}: outputs vs alone, differing"), differing(&to_bits(mine), &to_bits(&solo)) as f64, 0.0);
+        }
+    }
+}
+
 /// Appends `t` tokens' keys (normalised, rotated) and values to a CPU state's cache the way the
 /// CPU attention does, without computing their attention (the reference of a long cache).
 fn cpu_append_kv(st: &mut orchid_cpu::CpuState, slot: usize, dims: &orchid_model::config::AttentionDims, kn: &[f32], k: &[f32], v: &[f32]) {

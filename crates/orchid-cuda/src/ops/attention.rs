@@ -32,10 +32,13 @@ crate::kernel_abi! {
         /// qstride: per-head stride inside a qg row (D or 2D)
         qstride: i32,
         ldk: i32,
-        pad0: i32,
+        /// Prefill: 0, or `nspans` `AttnSpan`s, one span per grid z (qg, k and v from the span's
+        /// `row0` on; q_out, table, t and start the span's; `t` the longest span).
+        nspans: i32,
         pad1: i32,
         eps: f32,
         pad2: f32,
+        spans: u64,
     }
     #[derive(Clone, Copy, Default)]
     struct AttnArgs {
@@ -71,7 +74,8 @@ crate::kernel_abi! {
         nspans: i32,
     }
     /// One sequence's span in a batched prefill launch: its query rows (bf16, [t][Hq][D]), gate
-    /// rows, output rows, block table, length and first position.
+    /// rows, output rows, block table, length, first position, and (`attn_prep`) its first row
+    /// in the batch's projections.
     #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
     struct AttnSpan {
         q: u64,
@@ -80,6 +84,8 @@ crate::kernel_abi! {
         table: u64,
         t: i32 => "T",
         start: i32,
+        row0: i32,
+        pad0: i32,
     }
 }
 
@@ -146,9 +152,11 @@ pub fn check_head_dim(d: usize) -> Result<()> {
     }
 }
 
+/// q/k norm, RoPE, q to bf16 and K/V into the cache: of `a.t` tokens, or of each of `a.nspans`
+/// spans (`a.t` the longest).
 pub fn prep(c: &Ctx, a: &PrepArgs) -> Result<()> {
     let heads = (a.hq + a.hkv) as usize;
-    c.k("attn_prep").launch(&c.gpu, (a.t as u32, heads.div_ceil(4) as u32, 1), 128, 0, a)
+    c.k("attn_prep").launch(&c.gpu, (a.t as u32, heads.div_ceil(4) as u32, a.nspans.max(1) as u32), 128, 0, a)
 }
 
 /// Flash prefill of a span. With `a.nsplit` > 1 (`prefill_splits`), split-KV: each block takes
