@@ -103,7 +103,8 @@ pub fn attention(
         let entry = at::AttnSpan { q: a.q, gate: a.gate, out: a.out, table: a.table, t: a.t, start: a.start, row0: off as i32, pad0: 0 };
         if span.len > 1 {
             prep_spans.push(entry);
-            prep_args = Some(p);
+            // The batch's projections from their first row: each span adds its row0.
+            prep_args = Some(at::PrepArgs { qg: inp.q_gate.ptr(), k: inp.k.ptr(), v: inp.v.ptr(), ..p });
         }
         if span.len == 1 {
             // Its prep is folded into the decode kernel (which reads its own slot's cache only).
