@@ -614,7 +614,7 @@ fn attention_spans_in_one_call_equal_alone() {
         let widths = [dims.q_proj_rows(), hkv * d, hkv * d];
         let inputs: Vec<[Vec<f32>; 3]> = seqs.iter().map(|&(p, t)| std::array::from_fn(|i| rng.vec((p + t) * widths[i], 1.0))).collect();
         // One attention call over spans (slot, sequence, from, to); the output rows.
-        let fwd = |st: &mut orchid_cuda::CudaState, spans: &[(usize, usize, usize, usize)]| -> Vec<f32> {
+        let fwd = |st: &mut orchid_cuda::CudaState, spans: &[Span]| -> Vec<f32> {
             let rows: usize = spans.iter().map(|s| s.3 - s.2).sum();
             let gt: [CudaTensor; 3] = std::array::from_fn(|i| {
                 let v: Vec<f32> = spans.iter().flat_map(|s| inputs[s.1][i][s.2 * widths[i]..s.3 * widths[i]].to_vec()).collect();
@@ -624,27 +624,9 @@ fn attention_spans_in_one_call_equal_alone() {
             let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.2, len: s.3 - s.2 }).collect() };
             host(&g, &g.attention(inp, &dims, 1e-6, 0, &batch, st).unwrap())
         };
-        let n = seqs.len();
-        let mut st = g.new_state(&cfg, StateOptions::new(2 * n, 2048)).unwrap();
-        let slots: Vec<usize> = (0..2 * n).map(|_| st.alloc().unwrap()).collect();
-        let (together, alone) = slots.split_at(n);
-        for (i, &(p, _)) in seqs.iter().enumerate() {
-            if p > 0 {
-                fwd(&mut st, &[(together[i], i, 0, p)]);
-                fwd(&mut st, &[(alone[i], i, 0, p)]);
-            }
-        }
-        let spans: Vec<_> = seqs.iter().enumerate().map(|(i, &(p, t))| (together[i], i, p, p + t)).collect();
-        let out = fwd(&mut st, &spans);
-        let mut row = 0;
-        for (i, &(p, t)) in seqs.iter().enumerate() {
-            let solo = fwd(&mut st, &[(alone[i], i, p, p + t)]);
-            let mine = &out[row * hq * d..(row + t) * hq * d];
-            row += t;
-            let name = format!("attention spans in one call Hq={hq} Hkv={hkv} D={d}: sequence {i} ({p} + {t})");
-            assert!(mine.iter().all(|x| x.is_finite()), "{name}: non-finite output");
-            report(&format!("{name}: outputs vs alone, differing"), differing(&to_bits(mine), &to_bits(&solo)) as f64, 0.0);
-        }
+        let mut st = g.new_state(&cfg, StateOptions::new(2 * seqs.len(), 2048)).unwrap();
+        let what = format!("attention spans in one call Hq={hq} Hkv={hkv} D={d}");
+        spans_vs_alone(&mut st, &seqs, hq * d, &what, fwd, |_, _, _, _| {});
     }
 }
 
@@ -1009,6 +991,44 @@ fn deltanet_capture_inside_a_span() {
     }
 }
 
+/// A span (slot, sequence, from, to) of one forward call in the spans-vs-alone tests.
+type Span = (usize, usize, usize, usize);
+
+/// Each of `seqs` ((first pass, span) per sequence) on two fresh slots of `st`: its first pass
+/// alone on both, then its span in one call `fwd` with the others' (first slots) and alone
+/// (second slots). Reports each sequence's outputs (rows of `width` floats) against its span
+/// alone, bitwise, then runs `more(name, state, its slot together, its slot alone)`.
+fn spans_vs_alone(
+    st: &mut orchid_cuda::CudaState,
+    seqs: &[(usize, usize)],
+    width: usize,
+    what: &str,
+    fwd: impl Fn(&mut orchid_cuda::CudaState, &[Span]) -> Vec<f32>,
+    more: impl Fn(&str, &orchid_cuda::CudaState, usize, usize),
+) {
+    let n = seqs.len();
+    let slots: Vec<usize> = (0..2 * n).map(|_| st.alloc().unwrap()).collect();
+    let (together, alone) = slots.split_at(n);
+    for (i, &(p, _)) in seqs.iter().enumerate() {
+        if p > 0 {
+            fwd(st, &[(together[i], i, 0, p)]);
+            fwd(st, &[(alone[i], i, 0, p)]);
+        }
+    }
+    let spans: Vec<Span> = seqs.iter().enumerate().map(|(i, &(p, t))| (together[i], i, p, p + t)).collect();
+    let out = fwd(st, &spans);
+    let mut row = 0;
+    for (i, &(p, t)) in seqs.iter().enumerate() {
+        let solo = fwd(st, &[(alone[i], i, p, p + t)]);
+        let mine = &out[row * width..(row + t) * width];
+        row += t;
+        let name = format!("{what}: sequence {i} ({p} + {t})");
+        assert!(mine.iter().all(|x| x.is_finite()), "{name}: non-finite output");
+        report(&format!("{name}: outputs vs alone, differing"), differing(&to_bits(mine), &to_bits(&solo)) as f64, 0.0);
+        more(&name, st, together[i], alone[i]);
+    }
+}
+
 /// Several sequences' spans in one forward call of a GDN layer (the conv in one launch, the chunk
 /// prep and scan in groups of at most CHUNK_SPAN_MAX tokens, the per-token kernels per run of
 /// adjacent spans) against each span in a call of its own: outputs, recurrent and conv states
@@ -1036,7 +1056,7 @@ fn deltanet_spans_in_one_call_equal_alone() {
         let inputs: Vec<[Vec<f32>; 4]> =
             seqs.iter().map(|&(p, t)| std::array::from_fn(|i| rng.vec((p + t) * widths[i], [1.0, 2.0, 2.0, 2.0][i]))).collect();
         // One forward call over spans (slot, sequence, from, to); the output rows.
-        let fwd = |st: &mut orchid_cuda::CudaState, spans: &[(usize, usize, usize, usize)]| -> Vec<f32> {
+        let fwd = |st: &mut orchid_cuda::CudaState, spans: &[Span]| -> Vec<f32> {
             let gt: [CudaTensor; 4] = std::array::from_fn(|i| {
                 let rows: usize = spans.iter().map(|s| s.3 - s.2).sum();
                 let v: Vec<f32> = spans.iter().flat_map(|s| inputs[s.1][i][s.2 * widths[i]..s.3 * widths[i]].to_vec()).collect();
@@ -1045,29 +1065,15 @@ fn deltanet_spans_in_one_call_equal_alone() {
             let batch = BatchLayout { spans: spans.iter().map(|s| SeqSpan { slot: s.0, start: s.2, len: s.3 - s.2 }).collect() };
             host(&g, &g.deltanet(gdn_inputs(&gt, &gv), &dims, 1e-6, 0, &batch, st).unwrap())
         };
-        let n = seqs.len();
-        let mut st = g.new_state(&cfg, StateOptions::new(2 * n, 16384)).unwrap();
-        let slots: Vec<usize> = (0..2 * n).map(|_| st.alloc().unwrap()).collect();
-        let (together, alone) = slots.split_at(n);
-        for (i, &(p, _)) in seqs.iter().enumerate() {
-            if p > 0 {
-                fwd(&mut st, &[(together[i], i, 0, p)]);
-                fwd(&mut st, &[(alone[i], i, 0, p)]);
-            }
-        }
-        let spans: Vec<_> = seqs.iter().enumerate().map(|(i, &(p, t))| (together[i], i, p, p + t)).collect();
-        let out = fwd(&mut st, &spans);
-        let mut row = 0;
-        for (i, &(p, t)) in seqs.iter().enumerate() {
-            let solo = fwd(&mut st, &[(alone[i], i, p, p + t)]);
-            let mine = &out[row * hv * dv..(row + t) * hv * dv];
-            row += t;
-            let name = format!("deltanet spans in one call Hv={hv} dk={} dv={dv}: sequence {i} ({p} + {t})", cs_.dk);
-            assert!(mine.iter().all(|x| x.is_finite()), "{name}: non-finite output");
-            report(&format!("{name}: outputs vs alone, differing"), differing(&to_bits(mine), &to_bits(&solo)) as f64, 0.0);
-            let (a, b) = (slot_bits(&g, &st, together[i]), slot_bits(&g, &st, alone[i]));
-            report(&format!("{name}: conv and recurrent state vs alone, differing"), differing(&a, &b) as f64, 0.0);
-        }
+        let mut st = g.new_state(&cfg, StateOptions::new(2 * seqs.len(), 16384)).unwrap();
+        let what = format!("deltanet spans in one call Hv={hv} dk={} dv={dv}", cs_.dk);
+        spans_vs_alone(&mut st, &seqs, hv * dv, &what, fwd, |name, st, a, b| {
+            report(
+                &format!("{name}: conv and recurrent state vs alone, differing"),
+                differing(&slot_bits(&g, st, a), &slot_bits(&g, st, b)) as f64,
+                0.0,
+            );
+        });
     }
 }
 
