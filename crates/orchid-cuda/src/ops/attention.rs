@@ -217,9 +217,9 @@ mod tests {
 
     #[test]
     fn sizes_and_limits() {
-        assert_eq!(std::mem::size_of::<PrepArgs>(), 144);
+        assert_eq!(std::mem::size_of::<PrepArgs>(), 152);
         assert_eq!(std::mem::size_of::<AttnArgs>(), 136);
-        assert_eq!(std::mem::size_of::<AttnSpan>(), 40);
+        assert_eq!(std::mem::size_of::<AttnSpan>(), 48);
         for d in SUPPORTED_HEAD_DIMS {
             assert!(prefill_smem(d) <= 227 * 1024 && decode_smem(d) <= 227 * 1024, "d {d}");
             let (p, q) = tiles_for(d);
