@@ -100,27 +100,10 @@ pub fn attention(
     let part_ml = DevBuf::alloc(b.gpu(), rows * pml * 4)?;
     let out = b.tensor(rows, hq * d)?;
     let p = at::PrepArgs {
-        qg: inp.q_gate.ptr(),
-        k: inp.k.ptr(),
-        v: inp.v.ptr(),
-        q_norm: inp.q_norm.buf.ptr,
-        k_norm: inp.k_norm.buf.ptr,
-        inv_freq: inv_freq.ptr,
-        kpool: state.kpool_ptr(layer),
-        vpool: state.vpool_ptr(layer),
         table: state.table_ptr(base),
         pos_ptr: pos,
         t: 1,
-        hq: hq as i32,
-        hkv: hkv as i32,
-        d: d as i32,
-        r: dims.rotary_dim as i32,
-        bs: KV_BLOCK as i32,
-        ldq: ldq as i32,
-        qstride: qstride as i32,
-        ldk: (hkv * d) as i32,
-        eps,
-        ..Default::default()
+        ..crate::layers::prep_base(&inp, dims, inv_freq.ptr, state, layer, eps)
     };
     let a = at::AttnArgs {
         kpool: p.kpool,

@@ -18,6 +18,40 @@ use crate::ops::{attention as at, deltanet as dn, moe as mo};
 use crate::state::{CaptureDst, CudaState, KV_BLOCK};
 use crate::{CudaBackend, CudaTensor};
 
+/// The `attn_prep` arguments a layer's batch shares: its projections from row 0, norms, RoPE
+/// table, KV pools and shapes (the span's or row's own fields left at their defaults).
+pub(crate) fn prep_base(
+    inp: &AttentionInputs<'_, CudaBackend>,
+    dims: &AttentionDims,
+    inv_freq: u64,
+    state: &CudaState,
+    layer: usize,
+    eps: f32,
+) -> at::PrepArgs {
+    let (hq, hkv, d) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
+    let qstride = if dims.output_gate { 2 * d } else { d };
+    at::PrepArgs {
+        qg: inp.q_gate.ptr(),
+        k: inp.k.ptr(),
+        v: inp.v.ptr(),
+        q_norm: inp.q_norm.buf.ptr,
+        k_norm: inp.k_norm.buf.ptr,
+        inv_freq,
+        kpool: state.kpool_ptr(layer),
+        vpool: state.vpool_ptr(layer),
+        hq: hq as i32,
+        hkv: hkv as i32,
+        d: d as i32,
+        r: dims.rotary_dim as i32,
+        bs: KV_BLOCK as i32,
+        ldq: (hq * qstride) as i32,
+        qstride: qstride as i32,
+        ldk: (hkv * d) as i32,
+        eps,
+        ..Default::default()
+    }
+}
+
 pub fn attention(
     b: &CudaBackend,
     inp: AttentionInputs<'_, CudaBackend>,
@@ -53,35 +87,21 @@ pub fn attention(
     }
     // Spans of several tokens: one launch of their q/k norms, RoPE and cache appends; those
     // without split-KV also one prefill launch, after the loop.
+    // The batch's projections from row 0 (a batched attn_prep adds each span's row0).
+    let base = prep_base(&inp, dims, inv_freq.ptr, state, layer, eps);
     let mut prep_spans: Vec<at::AttnSpan> = Vec::new();
     let mut plain: Vec<at::AttnSpan> = Vec::new();
     let mut plain_args = None;
-    let mut prep_args = None;
     for (span, off) in batch.spans.iter().zip(batch.offsets()) {
         let p = at::PrepArgs {
             qg: inp.q_gate.row_ptr(off),
             k: inp.k.row_ptr(off),
             v: inp.v.row_ptr(off),
-            q_norm: inp.q_norm.buf.ptr,
-            k_norm: inp.k_norm.buf.ptr,
-            inv_freq: inv_freq.ptr,
             q_out: q_bf.ptr + (off * hq * d * 2) as u64,
-            kpool: state.kpool_ptr(layer),
-            vpool: state.vpool_ptr(layer),
             table: state.table_ptr(span.slot),
-            pos_ptr: 0,
             t: span.len as i32,
             start: span.start as i32,
-            hq: hq as i32,
-            hkv: hkv as i32,
-            d: d as i32,
-            r: dims.rotary_dim as i32,
-            bs: KV_BLOCK as i32,
-            ldq: ldq as i32,
-            qstride: qstride as i32,
-            ldk: (hkv * d) as i32,
-            eps,
-            ..Default::default()
+            ..base
         };
         let mut a = at::AttnArgs {
             q: p.q_out,
@@ -103,8 +123,6 @@ pub fn attention(
         let entry = at::AttnSpan { q: a.q, gate: a.gate, out: a.out, table: a.table, t: a.t, start: a.start, row0: off as i32, pad0: 0 };
         if span.len > 1 {
             prep_spans.push(entry);
-            // The batch's projections from their first row: each span adds its row0.
-            prep_args = Some(at::PrepArgs { qg: inp.q_gate.ptr(), k: inp.k.ptr(), v: inp.v.ptr(), ..p });
         }
         if span.len == 1 {
             // Its prep is folded into the decode kernel (which reads its own slot's cache only).
@@ -122,9 +140,7 @@ pub fn attention(
                 plain.push(entry);
                 plain_args = Some(a);
             } else {
-                if let Some(pa) = prep_args.take() {
-                    prep_batch(b, &pa, &mut prep_spans)?;
-                }
+                prep_batch(b, &base, &mut prep_spans)?;
                 // Few query tiles over a long context: split-KV (partials merged by a second kernel).
                 let (no, nml) = at::prefill_parts(span.len, g, hkv, d, nsplit);
                 let parts = (DevBuf::alloc(b.gpu(), no * 4)?, DevBuf::alloc(b.gpu(), nml * 4)?);
@@ -134,9 +150,7 @@ pub fn attention(
         }
         state.slot_mut(span.slot)?.attn_len[layer] += span.len;
     }
-    if let Some(pa) = prep_args.take() {
-        prep_batch(b, &pa, &mut prep_spans)?;
-    }
+    prep_batch(b, &base, &mut prep_spans)?;
     if let Some(a) = plain_args {
         let table = DevBuf::from_slice(b.gpu(), &plain)?;
         let t = plain.iter().map(|s| s.t).max().unwrap_or(0);
@@ -145,14 +159,17 @@ pub fn attention(
     Ok(out)
 }
 
-/// One `attn_prep` launch for the spans gathered so far (taken from `spans`); `p` holds the
-/// batch's shared arguments.
-fn prep_batch(b: &CudaBackend, p: &at::PrepArgs, spans: &mut Vec<at::AttnSpan>) -> Result<()> {
+/// One `attn_prep` launch for the spans gathered so far, if any (taken from `spans`); `base` holds
+/// the batch's shared arguments.
+fn prep_batch(b: &CudaBackend, base: &at::PrepArgs, spans: &mut Vec<at::AttnSpan>) -> Result<()> {
+    if spans.is_empty() {
+        return Ok(());
+    }
     let t = spans.iter().map(|s| s.t).max().unwrap_or(0);
     let table = DevBuf::from_slice(b.gpu(), spans)?;
     let n = spans.len() as i32;
     spans.clear();
-    at::prep(&b.ctx, &at::PrepArgs { spans: table.ptr, nspans: n, t, ..*p })
+    at::prep(&b.ctx, &at::PrepArgs { spans: table.ptr, nspans: n, t, ..*base })
 }
 
 pub fn deltanet(
@@ -472,8 +489,8 @@ pub fn moe_into(
     let c = &b.ctx;
     let (t, h) = (x.rows, x.cols);
     let (e, k) = (dims.num_experts, dims.top_k);
-    if e > 512 || k > 32 || w.experts.num != e {
-        return Err(Error::Op { op: "moe", msg: format!("{e} experts / top-{k} (the GPU router handles at most 512 / 32)") });
+    if e > mo::MOE_E_MAX || k > 32 || w.experts.num != e {
+        return Err(Error::Op { op: "moe", msg: format!("{e} experts / top-{k} (the GPU router handles at most {} / 32)", mo::MOE_E_MAX) });
     }
     if t <= c.tuning.moe_rows_max
         && let Some(md) = moe_rows_experts(w, dims)

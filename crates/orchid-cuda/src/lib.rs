@@ -353,8 +353,8 @@ impl Backend for CudaBackend {
             .filter(|_| x.rows >= self.ctx.tuning.combine_norm_min && !ops::gemv::use_gemv(&self.ctx, x.rows))
             .map(|n| (n.buf.ptr, eps));
         let prepared = layers::moe_into(self, &xn, Some(xp), w, dims, x.ptr(), true, then)?;
-        if let (Some(xp), Some(n)) = (prepared, next) {
-            x.next_input.set(Some(NextInput { norm: n.buf.ptr, eps: eps.to_bits(), xp }));
+        if let (Some(xp), Some((norm, _))) = (prepared, then) {
+            x.next_input.set(Some(NextInput { norm, eps: eps.to_bits(), xp }));
         }
         Ok(())
     }
