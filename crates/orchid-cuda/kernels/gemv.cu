@@ -39,11 +39,11 @@ DEVI int seg_of(const GemvArgs& a, int tile, int& tbase) {
 template <int FMT>
 DEVI void gemv_stream_body(const GemvArgs& a) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ float sred[32];
     const int T = a.T, kpad = a.kpad, groups = kpad / 64;
     const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
     const XLayout L{(u32*)(smem + ring_bytes), x_words(kpad, FMT == FMT_Q4), FMT == FMT_Q4};
     float* xsum = (float*)(smem + ring_bytes + (size_t)T * L.tstride * 4);
+    float* red = xsum + T * groups;  // the staging's block sums (gemv_smem's last 4 KB)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     const GemvSeg& S = a.seg[0];
     const int units = FMT == FMT_Q4 ? kpad / 128 : kpad / 32;
@@ -60,7 +60,7 @@ DEVI void gemv_stream_body(const GemvArgs& a) {
     const UnitRing<FMT> ring = warp_ring<FMT>(smem);
     ring_start(ring, n, ref);
     pdl_enter();
-    stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
+    stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, red);
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
     const XLane xl = x_lane<FMT>(L, xsum, T, groups);
     ring_run(ring, n, ref, [&](int, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {
@@ -77,10 +77,10 @@ DEVI void gemv_stream_body(const GemvArgs& a) {
 template <int FMT>
 DEVI void gemv_body(const GemvArgs& a) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ float sred[32];
     __shared__ int s_last;
     const int T = a.T, kpad = a.kpad, groups = kpad / 64;
-    // Shared memory: the warps' unit rings, then x (bf16), its group sums, the ksplit partials.
+    // Shared memory: the warps' unit rings, then x (bf16), its group sums, the ksplit partials (also
+    // the staging's block sums before them).
     const int ring_bytes = UnitRing<FMT>::BLOCK_BYTES;
     const XLayout L{(u32*)(smem + ring_bytes), x_words(kpad, FMT == FMT_Q4), FMT == FMT_Q4};
     float* xsum = (float*)(smem + ring_bytes + (size_t)T * L.tstride * 4);
@@ -105,7 +105,7 @@ DEVI void gemv_body(const GemvArgs& a) {
     auto ref = [&](int i) { return URef{tr, lo + ks + i * a.ksplit}; };
     ring_start(ring, n, ref);
     pdl_enter();  // weights only above: x is the previous kernel's output
-    stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, sred);
+    stage_x((const float*)a.x, a.ldx, T, a.K, kpad, (const float*)a.norm_w, a.eps, L, xsum, red);
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
     const XLane xl = x_lane<FMT>(L, xsum, T, groups);
     ring_run(ring, n, ref, [&](int i, uint4 A0, uint4 A1, uint2 S0, uint2 S1) {

@@ -33,46 +33,90 @@ DEVI int x_words(int kpad, bool frag) { return frag ? kpad / 128 * 4 * XF_STRIDE
 // Stages x rows (f32, optionally normalised) into shared memory as bf16 (layout L) and writes
 // per-group sums of the rounded values into xsum [T][kpad / 64]. Zero beyond K.
 //
-// Fast path (kpad ≤ 4 · NV · blockDim, 16-byte aligned rows): every thread issues all its 16-byte
-// loads of a row (x and the norm weights) at once, so staging costs one round trip to L2 plus one
-// block reduction for the norm; a 64-group is 16 consecutive float4 = 16 lanes, summed by shuffles.
-template <int NV>
+// Block-wide sums of N values at once, each the same tree as block_sum (so the same bits), one
+// barrier pair for all: `red` holds N · 32 floats.
+template <int N>
+DEVI void block_sum_n(float (&v)[N], float* red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] = warp_sum(v[n]);
+    __syncthreads();
+    if (lane == 0)
+#pragma unroll
+        for (int n = 0; n < N; ++n) red[n * 32 + w] = v[n];
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] = warp_sum(lane < nw ? red[n * 32 + lane] : 0.f);
+}
+
+// Tokens whose rows stage_x_vec<NV, NORM> loads together: NV float4 registers per token, plus
+// NV for the norm weights; gemv_q4 has 80 registers, and larger groups make it spill.
+template <int NV, bool NORM>
+__host__ __device__ constexpr int stage_group() { return NV <= 2 || !NORM ? 2 : 1; }
+
+// Fast path (kpad ≤ 4 · NV · blockDim, 16-byte aligned rows; NORM: norm_w given): the tokens go
+// in groups of TG (stage_x: stage_group(), or 1 for a lone row); every thread issues all its 16-byte loads of a group's rows (and
+// the norm weights) at once, so a group costs one round trip to L2 plus one block reduction for
+// the norms of its rows; a 64-group is 16 consecutive float4 = 16 lanes, summed by shuffles.
+// `red` holds 32 floats for T = 1, else TG · 32.
+template <int NV, bool NORM, int TG>
 DEVI void stage_x_vec(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
                       const XLayout& L, float* xsum, float* red) {
     const int nvec = kpad >> 2, groups = kpad / 64, nt = blockDim.x;
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int t = 0; t < T; ++t) {
-        const float* xr = x + (i64)t * ldx;
-        float4 v[NV], w[NV];
+    for (int t0 = 0; t0 < T; t0 += TG) {
+        float4 v[TG][NV], w[NV];
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-            const int c = threadIdx.x + i * nt, k = 4 * c;
-            const bool ok = c < nvec && k < K;
-            v[i] = ok ? ldcg4(xr + k) : zero;
-            w[i] = (ok && norm_w) ? __ldg(reinterpret_cast<const float4*>(norm_w + k)) : zero;
+        for (int tt = 0; tt < TG; ++tt)
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int c = threadIdx.x + i * nt, k = 4 * c;
+                v[tt][i] = (t0 + tt < T && c < nvec && k < K) ? ldcg4(x + (i64)(t0 + tt) * ldx + k) : zero;
+            }
+        float inv[TG];
+        if constexpr (NORM) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int c = threadIdx.x + i * nt, k = 4 * c;
+                w[i] = (c < nvec && k < K) ? __ldg(reinterpret_cast<const float4*>(norm_w + k)) : zero;
+            }
+            float ss[TG];
+#pragma unroll
+            for (int tt = 0; tt < TG; ++tt) {
+                ss[tt] = 0.f;
+#pragma unroll
+                for (int i = 0; i < NV; ++i)
+                    ss[tt] += v[tt][i].x * v[tt][i].x + v[tt][i].y * v[tt][i].y + v[tt][i].z * v[tt][i].z + v[tt][i].w * v[tt][i].w;
+            }
+            if (TG == 1 || T - t0 == 1) {  // one token: 32 floats of red
+                float s1[1] = {ss[0]};
+                block_sum_n<1>(s1, red);
+                ss[0] = s1[0];
+            } else {
+                block_sum_n<TG>(ss, red);
+            }
+#pragma unroll
+            for (int tt = 0; tt < TG; ++tt) inv[tt] = 1.f / sqrtf(ss[tt] / K + eps);
         }
-        float inv = 1.f;
-        if (norm_w) {
-            float ss = 0.f;
 #pragma unroll
-            for (int i = 0; i < NV; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-            ss = block_sum(ss, red);
-            inv = 1.f / sqrtf(ss / K + eps);
-        }
+        for (int tt = 0; tt < TG; ++tt) {
+            const int t = t0 + tt;
+            if (t >= T) break;
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-            const int c = threadIdx.x + i * nt;
-            if (c < nvec) {  // warp-uniform: nvec is a multiple of 32
-                float4 a = v[i];
-                if (norm_w) {
-                    a.x = a.x * inv * w[i].x; a.y = a.y * inv * w[i].y;
-                    a.z = a.z * inv * w[i].z; a.w = a.w * inv * w[i].w;
+            for (int i = 0; i < NV; ++i) {
+                const int c = threadIdx.x + i * nt;
+                if (c < nvec) {  // warp-uniform: nvec is a multiple of 32
+                    float4 a = v[tt][i];
+                    if constexpr (NORM) {
+                        a.x = a.x * inv[tt] * w[i].x; a.y = a.y * inv[tt] * w[i].y;
+                        a.z = a.z * inv[tt] * w[i].z; a.w = a.w * inv[tt] * w[i].w;
+                    }
+                    const u32 p0 = pack_bf16(a.x, a.y), p1 = pack_bf16(a.z, a.w);
+                    L.base[L.word(t, 2 * c)] = p0;
+                    L.base[L.word(t, 2 * c + 1)] = p1;
+                    const float s = group64_sum(p0, p1);
+                    if ((threadIdx.x & 15) == 0) xsum[t * groups + (c >> 4)] = s;
                 }
-                const u32 p0 = pack_bf16(a.x, a.y), p1 = pack_bf16(a.z, a.w);
-                L.base[L.word(t, 2 * c)] = p0;
-                L.base[L.word(t, 2 * c + 1)] = p1;
-                const float s = group64_sum(p0, p1);
-                if ((threadIdx.x & 15) == 0) xsum[t * groups + (c >> 4)] = s;
             }
         }
     }
@@ -109,11 +153,27 @@ DEVI void stage_x_scalar(const float* __restrict__ x, int ldx, int T, int K, int
     __syncthreads();
 }
 
+// stage_x_vec<NV>: a lone row (batch-1 decode, the MoE kernels) without the group bookkeeping,
+// several in groups; with or without the norm.
+template <int NV>
+DEVI void stage_x_nv(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
+                     const XLayout& L, float* xsum, float* red) {
+    if (T == 1) {
+        if (norm_w) stage_x_vec<NV, true, 1>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+        else stage_x_vec<NV, false, 1>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+    } else if (norm_w) {
+        stage_x_vec<NV, true, stage_group<NV, true>()>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+    } else {
+        stage_x_vec<NV, false, stage_group<NV, false>()>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+    }
+}
+
+// Stages T rows of x (the paths above); `red`: 32 floats for T = 1, else 64 (stage_x_vec's groups).
 DEVI void stage_x(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
                   const XLayout& L, float* xsum, float* red) {
     const bool vec = (K & 3) == 0 && (T == 1 || (ldx & 3) == 0) && ((u64)x & 15) == 0 && ((u64)norm_w & 15) == 0;
-    if (vec && kpad <= 8 * (int)blockDim.x) stage_x_vec<2>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
-    else if (vec && kpad <= 16 * (int)blockDim.x) stage_x_vec<4>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+    if (vec && kpad <= 8 * (int)blockDim.x) stage_x_nv<2>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
+    else if (vec && kpad <= 16 * (int)blockDim.x) stage_x_nv<4>(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
     else stage_x_scalar(x, ldx, T, K, kpad, norm_w, eps, L, xsum, red);
 }
 

@@ -87,6 +87,10 @@ pub struct Tuning {
     /// A block's input projections that share format and K in one split-K GEMM launch
     /// (`ops::gemm::gemm_each`, where each splits K alike); false: a launch per weight.
     pub gemm_each: bool,
+    /// `gemm_each` chooses its K parts for all its weights' row blocks together (one wave of
+    /// blocks; each output then differs in its last bits from its own launch's); false: only where
+    /// every weight alone splits K alike, into those parts.
+    pub gemm_each_wave: bool,
     /// The Q4 GEMMs of 64-token tiles on Hopper's warpgroup MMA (`ops::gemm::gemm_wgmma`, the
     /// `_wg` kernels, compute capability 9.0); false: the mma.sync kernels.
     pub gemm_wgmma: bool,
@@ -122,6 +126,7 @@ impl Default for Tuning {
             splitk_cluster: true,
             grouped_bn_min: 8,
             gemm_each: true,
+            gemm_each_wave: true,
             gemm_wgmma: true,
             gemm_direct: true,
             gdn_scan_tc: true,
@@ -154,6 +159,7 @@ impl Tuning {
                 _ => 64,
             },
             gemm_each: self.gemm_each,
+            gemm_each_wave: self.gemm_each_wave,
             gemm_wgmma: self.gemm_wgmma,
             gemm_direct: self.gemm_direct,
             gdn_scan_tc: self.gdn_scan_tc,
@@ -187,6 +193,7 @@ mod tests {
             splitk_cluster: false,
             grouped_bn_min: 100,
             gemm_each: false,
+            gemm_each_wave: false,
             gemm_wgmma: false,
             gemm_direct: false,
             gdn_scan_tc: false,

@@ -129,13 +129,14 @@ fn gemm_parts(
     host(g, &out)
 }
 
-/// A block's input projections in one launch (`gemm::gemm_each`): the GDN shapes scaled down
-/// (four Q4 weights of 1024, 512, 32 and 32 rows; three bf16 ones), each output bit for bit what
-/// its own split-K GEMM gives, directly and through `norm_matmuls`.
+/// A block's input projections in one launch (`gemm::gemm_each`, K parts as each weight alone
+/// takes them): the GDN shapes scaled down (four Q4 weights of 1024, 512, 32 and 32 rows; three
+/// bf16 ones), each output bit for bit what its own split-K GEMM gives, directly and through
+/// `norm_matmuls`.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_each_matches_gemm() {
-    let g = gpu();
+    let g = gpu().with_tuning(&orchid_cuda::Tuning { gemm_each_wave: false, ..Default::default() }).unwrap();
     let apart = g.with_tuning(&orchid_cuda::Tuning { gemm_each: false, ..Default::default() }).unwrap();
     let pipe = g.with_tuning(&orchid_cuda::Tuning { gemm_direct: false, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
@@ -172,6 +173,45 @@ fn gemm_each_matches_gemm() {
                 report_same(&format!("norm_matmuls direct loads = pipeline, weight {i} {tag}"), &host(&g, &got[i]), &host(&g, &piped[i]));
                 report(&format!("norm_matmuls weight {i} {tag}"), rel_l2(&host(&g, &got[i]), &want[i].data), 1e-2);
             }
+        }
+    }
+}
+
+/// `gemm_each` with `Tuning::gemm_each_wave` on the GDN input projections' row counts (8,192 +
+/// 4,096 + 32 + 32: 98 row blocks, so fewer K parts than each weight alone takes): each output
+/// bit for bit what the GEMM in the launch's K parts gives, and near the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_each_wave_equals_split() {
+    let g = gpu().with_tuning(&orchid_cuda::Tuning { gemm_each_wave: true, ..Default::default() }).unwrap();
+    let c = CpuBackend::new();
+    let mut rng = Rng::new(22);
+    let (k, rows) = (2048, [8192usize, 4096, 32, 32]);
+    let hw: Vec<_> = rows.iter().map(|&n| linear(&mut rng, n, k, Fmt::Mlx, 4)).collect();
+    let gw: Vec<_> = hw.iter().map(|w| g.upload_linear(w).unwrap()).collect();
+    let cw: Vec<_> = hw.iter().map(|w| c.upload_linear(w).unwrap()).collect();
+    let refs: Vec<&orchid_cuda::GpuLinear> = gw.iter().collect();
+    for &t in &[16usize, 64] {
+        let x = rng.vec(t * k, 1.0);
+        let gx = up(&g, t, k, &x);
+        let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+        let kparts = gemm::each_kparts(&g.ctx, &refs, t);
+        let alone = gemm::dense_kparts(&g.ctx, &gw[0], false, t);
+        report(
+            &format!("gemm_each_wave: fewer K parts ({kparts:?}) than alone ({alone}) T={t}"),
+            if kparts.is_some_and(|p| p < alone) { 0.0 } else { f64::INFINITY },
+            0.0,
+        );
+        let outs: Vec<CudaTensor> = rows.iter().map(|&n| g.tensor(t, n).unwrap()).collect();
+        let ptrs: Vec<u64> = outs.iter().map(|o| o.ptr()).collect();
+        let one = gemm::gemm_each(&g.ctx, &refs, &xp, t, &ptrs).unwrap();
+        report(&format!("gemm_each_wave takes the weights in one launch T={t}"), if one { 0.0 } else { f64::INFINITY }, 0.0);
+        let xc = CpuTensor::from_vec(t, k, x.clone());
+        for (i, w) in gw.iter().enumerate() {
+            let want = gemm_parts(&g, w, None, &xp, t, kparts.unwrap_or(1));
+            report_same(&format!("gemm_each_wave = gemm in its K parts, weight {i} T={t}"), &host(&g, &outs[i]), &want);
+            let cpu = c.matmul(&xc, &cw[i]).unwrap();
+            report(&format!("gemm_each_wave weight {i} T={t}"), rel_l2(&want, &cpu.data), 1e-2);
         }
     }
 }

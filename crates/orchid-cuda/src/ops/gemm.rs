@@ -391,24 +391,38 @@ fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool, wg: bool, ld:
     )
 }
 
+/// The K parts of `gemm_each` over `ws` at `t` tokens, None where it does not apply (fewer than
+/// two or more than `GEMM_SEGS` weights, formats or K that differ, no split-K in clusters). With
+/// `Tuning::gemm_each_wave` the parts are chosen for all the weights' row blocks together (so the
+/// launch is one wave; each output then has the bits of `gemm_split` in that many parts), else
+/// only where each weight alone would split K into the same parts (the bits of its own `gemm`).
+pub fn each_kparts(c: &Ctx, ws: &[&GpuLinear], t: usize) -> Option<usize> {
+    let w = ws.first()?;
+    let alike = |v: &&GpuLinear| v.fmt == w.fmt && v.kpad == w.kpad && v.cols == w.cols && v.count == 1 && v.rows > 0;
+    if !c.tuning.gemm_each || !(2..=GEMM_SEGS).contains(&ws.len()) || !ws.iter().all(alike) || t == 0 {
+        return None;
+    }
+    let kparts = if c.tuning.gemm_each_wave {
+        kparts_of_rows(c, ws.iter().map(|v| v.rows.div_ceil(128)).sum(), w.kpad, t)
+    } else {
+        let k = dense_kparts(c, w, false, t);
+        if ws.iter().any(|v| dense_kparts(c, v, false, t) != k) {
+            return None;
+        }
+        k
+    };
+    (kparts >= 2 && splitk_in_cluster(c, kparts)).then_some(kparts)
+}
+
 /// Dense `gemm`s of 2..=`GEMM_SEGS` weights of one format and K over the same prepared `x`,
 /// each into its own output [t, rows_i] at `outs[i]`, as one launch: the _kc kernel over all
-/// the weights' row blocks (a block row's weight and output from `GemmArgs::seg`). Only where
-/// each weight alone would split K into the same parts, summed in clusters: then every output
-/// gets the bits `gemm` gives it, and the step saves the launches' fill and drain (the GDN input
-/// projections: four GEMMs, two of 32 rows). Ok(false), launching nothing, otherwise (the caller
-/// runs `gemm` for each) and where `Tuning::gemm_each` is off.
+/// the weights' row blocks (a block row's weight and output from `GemmArgs::seg`), in
+/// `each_kparts` K parts summed in clusters; the step saves the launches' fill and drain (the GDN
+/// input projections: four GEMMs, two of 32 rows). Ok(false), launching nothing, where
+/// `each_kparts` says None (the caller runs `gemm` for each).
 pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) -> Result<bool> {
-    let Some(w) = ws.first() else { return Ok(false) };
-    let alike = |v: &&GpuLinear| v.fmt == w.fmt && v.kpad == w.kpad && v.cols == w.cols && v.count == 1 && v.rows > 0;
-    if !c.tuning.gemm_each || !(2..=GEMM_SEGS).contains(&ws.len()) || outs.len() != ws.len() || !ws.iter().all(alike) {
-        return Ok(false);
-    }
-    if x.k != w.cols || x.kpad != w.kpad || x.rows < t || t == 0 {
-        return Ok(false);
-    }
-    let kparts = dense_kparts(c, w, false, t);
-    if kparts < 2 || !splitk_in_cluster(c, kparts) || ws.iter().any(|v| dense_kparts(c, v, false, t) != kparts) {
+    let (Some(w), Some(kparts)) = (ws.first(), each_kparts(c, ws, t)) else { return Ok(false) };
+    if outs.len() != ws.len() || x.k != w.cols || x.kpad != w.kpad || x.rows < t {
         return Ok(false);
     }
     let mut seg = [GemmSeg::default(); GEMM_SEGS];

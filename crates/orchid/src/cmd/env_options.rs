@@ -13,7 +13,8 @@
 //!   GEMM_KPARTS_MAX (1: no split-K GEMMs), ROUTE_ROWS (0: batched decode without the router
 //!   fused into the experts' kernel), SHARED_GROUPED (0: the shared expert's own GEMMs in
 //!   batched decode), SPLITK_CLUSTER (0: split-K GEMMs summed by a reduction kernel), GROUPED_BN_MIN (32: no 8-token
-//!   tiles for the experts' grouped GEMMs), GEMM_EACH (0: a GEMM launch per input projection), GEMM_WGMMA, GEMM_DIRECT,
+//!   tiles for the experts' grouped GEMMs), GEMM_EACH (0: a GEMM launch per input projection),
+//!   GEMM_EACH_WAVE (0: that launch only where each weight alone splits K alike), GEMM_WGMMA, GEMM_DIRECT,
 //!   GDN_SCAN_TC (0: the GDN chunk scan on f32 FMAs), COMBINE_NORM_MIN (rows from which the MoE
 //!   combine prepares the next block's input)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
@@ -72,6 +73,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 splitk_cluster: tune("SPLITK_CLUSTER", t.splitk_cluster as usize) != 0,
                 grouped_bn_min: tune("GROUPED_BN_MIN", t.grouped_bn_min),
                 gemm_each: tune("GEMM_EACH", t.gemm_each as usize) != 0,
+                gemm_each_wave: tune("GEMM_EACH_WAVE", t.gemm_each_wave as usize) != 0,
                 gemm_wgmma: tune("GEMM_WGMMA", t.gemm_wgmma as usize) != 0,
                 gemm_direct: tune("GEMM_DIRECT", t.gemm_direct as usize) != 0,
                 gdn_scan_tc: tune("GDN_SCAN_TC", t.gdn_scan_tc as usize) != 0,
