@@ -375,8 +375,10 @@ fn gemm_concat_equals_two_gemms() {
             gemm::gemm(&g.ctx, &g2, None, &xp, 0, t, None, o2.ptr(), n2).unwrap();
             let (both, o1, o2) = (host(&g, &both), host(&g, &o1), host(&g, &o2));
             let want: Vec<f32> = (0..t).flat_map(|r| o1[r * n1..(r + 1) * n1].iter().chain(&o2[r * n2..(r + 1) * n2]).copied()).collect();
-            let parts =
-                |rows: usize| gemm::gemm_kparts(rows.div_ceil(128), k / 128, t, g.ctx.gpu.sms as usize, g.ctx.tuning.gemm_kparts_max);
+            let parts = |rows: usize| {
+                let min_ksteps = gemm::split_min_ksteps(g1.fmt);
+                gemm::gemm_kparts(rows.div_ceil(128), k / 128, min_ksteps, t, g.ctx.gpu.sms as usize, g.ctx.tuning.gemm_kparts_max)
+            };
             let tag = format!("{name} T={t} K={k} rows {n1} + {n2}");
             if parts(n) == parts(n1) && parts(n) == parts(n2) {
                 report_same(&format!("gemm_concat = two GEMMs {tag} ({} K parts)", parts(n)), &both, &want);

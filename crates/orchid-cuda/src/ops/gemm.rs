@@ -92,9 +92,10 @@ crate::kernel_abi! {
 
 /// Most K parts of a split-K GEMM (the range of `Tuning::gemm_kparts_max`).
 pub const GEMM_KPARTS_MAX: usize = 16;
-/// Fewest k-steps (of 128 columns) per K part: a part still fills the cp.async pipeline (S − 1 ≤
-/// 5 k-steps in flight) and streams ≥ 36 KB of Q4 weights per block, against a partial tile of
-/// at most 32 KB written and read back.
+/// Fewest k-steps (of 128 columns) per K part of Q4 weights: a part still fills the cp.async
+/// pipeline (S − 1 ≤ 5 k-steps in flight) and streams ≥ 36 KB of weights per block, against a
+/// partial tile of at most 32 KB written and read back. A bf16 k-step alone streams 32 KB
+/// (`split_min_ksteps`).
 pub const SPLITK_MIN_KSTEPS: usize = 4;
 /// Most tokens a split-K GEMM takes (batched decode); beyond, the token tiles fill the GPU and
 /// the partials (8 bytes per token and weight row and part) would cost more than they save.
@@ -114,28 +115,38 @@ pub fn splitk_in_cluster(c: &Ctx, kparts: usize) -> bool {
 /// `ksteps` k-steps of 128 and `t` tokens on `sms` SMs, at most `max`: 1 (one pass over K) for
 /// more than `SPLITK_MAX_TOKENS` tokens or when the row blocks alone give every SM one;
 /// otherwise as many parts as give the row blocks about two blocks per SM (2 · sms / row_blocks),
-/// each of at least `SPLITK_MIN_KSTEPS` k-steps (the kernel deals ⌊ksteps / p⌋ or ⌈ksteps / p⌉
-/// to each). The token count only gates it, so that every batch of up to `SPLITK_MAX_TOKENS`
+/// each of at least `min_ksteps` k-steps (`split_min_ksteps`; the kernel deals ⌊ksteps / p⌋ or
+/// ⌈ksteps / p⌉ to each). The token count only gates it, so that every batch of up to `SPLITK_MAX_TOKENS`
 /// tokens sums each output in the same order, whatever the batch (the sums never depend on the
 /// token tiles). A split GEMM takes `gemm_bn`'s tile (64 tokens; bf16 128 at 128), not the
 /// narrower ones of `gemm_bn_dense`: one wave of up to two blocks per SM up to 64 tokens, two
 /// waves beyond.
-pub fn gemm_kparts(row_blocks: usize, ksteps: usize, t: usize, sms: usize, max: usize) -> usize {
+pub fn gemm_kparts(row_blocks: usize, ksteps: usize, min_ksteps: usize, t: usize, sms: usize, max: usize) -> usize {
     if t > SPLITK_MAX_TOKENS || row_blocks == 0 || row_blocks >= sms {
         return 1;
     }
-    max.min(ksteps / SPLITK_MIN_KSTEPS).min(2 * sms / row_blocks).max(1)
+    max.min(ksteps / min_ksteps.max(1)).min(2 * sms / row_blocks).max(1)
+}
+
+/// Fewest k-steps per K part of a split GEMM of weights in `fmt`: about 32 KB of weights per
+/// 128-row block (Q4 `SPLITK_MIN_KSTEPS`, bf16 one: the router's 3 row blocks then split into 8
+/// parts, not 4, at 16–64 tokens).
+pub fn split_min_ksteps(fmt: WFormat) -> usize {
+    match fmt {
+        WFormat::Q4 => SPLITK_MIN_KSTEPS,
+        WFormat::Bf16 => 1,
+    }
 }
 
 /// `gemm_kparts` of a dense GEMM of `w` (PAIR: with an up weight of its shape) over `t` tokens
 /// on this context's GPU with its tuning.
 pub fn dense_kparts(c: &Ctx, w: &GpuLinear, pair: bool, t: usize) -> usize {
-    kparts_of_rows(c, w.rows.div_ceil(if pair { 64 } else { 128 }), w.kpad, t)
+    kparts_of_rows(c, w.fmt, w.rows.div_ceil(if pair { 64 } else { 128 }), w.kpad, t)
 }
 
 /// `gemm_kparts` of a dense GEMM of `row_blocks` row blocks and padded K `kpad` on this GPU.
-fn kparts_of_rows(c: &Ctx, row_blocks: usize, kpad: usize, t: usize) -> usize {
-    gemm_kparts(row_blocks, kpad / 128, t, c.gpu.sms as usize, c.tuning.gemm_kparts_max)
+fn kparts_of_rows(c: &Ctx, fmt: WFormat, row_blocks: usize, kpad: usize, t: usize) -> usize {
+    gemm_kparts(row_blocks, kpad / 128, split_min_ksteps(fmt), t, c.gpu.sms as usize, c.tuning.gemm_kparts_max)
 }
 
 /// Token-tile width: 8 for Q4 groups of fewer than 8 tokens per expert on average (batched
@@ -361,7 +372,7 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
     if w2.fmt != w.fmt || w2.kpad != w.kpad || w2.cols != w.cols || w.count != 1 || w2.count != 1 {
         return Err(Error::Op { op: "gemm concat", msg: "the two weights differ in format or K".into() });
     }
-    let kparts = kparts_of_rows(c, (w.rows + w2.rows).div_ceil(128), w.kpad, t);
+    let kparts = kparts_of_rows(c, w.fmt, (w.rows + w2.rows).div_ceil(128), w.kpad, t);
     gemm_launch(c, w, None, Some(w2), x, 0, t, None, out, ldo, 0, kparts, false)
 }
 
@@ -403,7 +414,7 @@ pub fn each_kparts(c: &Ctx, ws: &[&GpuLinear], t: usize) -> Option<usize> {
         return None;
     }
     let kparts = if c.tuning.gemm_each_wave {
-        kparts_of_rows(c, ws.iter().map(|v| v.rows.div_ceil(128)).sum(), w.kpad, t)
+        kparts_of_rows(c, w.fmt, ws.iter().map(|v| v.rows.div_ceil(128)).sum(), w.kpad, t)
     } else {
         let k = dense_kparts(c, w, false, t);
         if ws.iter().any(|v| dense_kparts(c, v, false, t) != k) {
@@ -717,7 +728,7 @@ mod tests {
 
     #[test]
     fn split_k_parts() {
-        let kp = |rows: usize, k: usize, t: usize| gemm_kparts(rows.div_ceil(128), k / 128, t, 132, 8);
+        let kp = |rows: usize, k: usize, t: usize| gemm_kparts(rows.div_ceil(128), k / 128, SPLITK_MIN_KSTEPS, t, 132, 8);
         // Batched decode on 132 SMs (at most 8 parts): a 12288 x 2048 weight (96 row blocks, 16
         // k-steps) in 2 parts (192 blocks at 16 or 64 tokens), 8192 x 2048 in 4, 2048 x 4096
         // (16 row blocks, 32 k-steps) in 8, 512 x 2048 in 4 (k-steps: 4 each), 2048 x 512 (4
@@ -729,6 +740,9 @@ mod tests {
         assert_eq!(kp(512, 2048, 33), 4);
         assert_eq!(kp(2048, 512, 64), 1);
         assert_eq!(kp(1, 2048, 9), 4); // a one-row gate
+        // bf16 (a k-step streams as much as four Q4 ones): the router and shared gate (257 rows,
+        // 3 row blocks) in 8 parts.
+        assert_eq!(gemm_kparts(3, 16, split_min_ksteps(WFormat::Bf16), 64, 132, 8), 8);
         // The same for every batch up to SPLITK_MAX_TOKENS tokens (the token count only gates it).
         for t in 1..=SPLITK_MAX_TOKENS {
             assert_eq!(kp(2048, 4096, t), 8);
@@ -741,23 +755,23 @@ mod tests {
         assert_eq!(kp(248320, 2048, 64), 1);
         // Just under: two blocks per SM at most.
         assert_eq!(kp(131 * 128, 4096, 64), 2);
-        assert_eq!(gemm_kparts(67, 32, 64, 132, 8), 3);
+        assert_eq!(gemm_kparts(67, 32, SPLITK_MIN_KSTEPS, 64, 132, 8), 3);
         // The knob: 1 is off, more caps the parts.
-        assert_eq!(gemm_kparts(16, 32, 64, 132, 1), 1);
-        assert_eq!(gemm_kparts(16, 32, 64, 132, 2), 2);
-        assert_eq!(gemm_kparts(16, 64, 64, 132, GEMM_KPARTS_MAX), 16);
-        assert_eq!(gemm_kparts(1, 1000, 64, 132, GEMM_KPARTS_MAX), GEMM_KPARTS_MAX);
+        assert_eq!(gemm_kparts(16, 32, SPLITK_MIN_KSTEPS, 64, 132, 1), 1);
+        assert_eq!(gemm_kparts(16, 32, SPLITK_MIN_KSTEPS, 64, 132, 2), 2);
+        assert_eq!(gemm_kparts(16, 64, SPLITK_MIN_KSTEPS, 64, 132, GEMM_KPARTS_MAX), 16);
+        assert_eq!(gemm_kparts(1, 1000, SPLITK_MIN_KSTEPS, 64, 132, GEMM_KPARTS_MAX), GEMM_KPARTS_MAX);
         // Short K: at least SPLITK_MIN_KSTEPS k-steps per part.
-        assert_eq!(gemm_kparts(16, 7, 64, 132, 8), 1);
-        assert_eq!(gemm_kparts(16, 8, 64, 132, 8), 2);
-        assert_eq!(gemm_kparts(16, 19, 64, 132, 8), 4);
-        assert_eq!(gemm_kparts(0, 19, 64, 132, 8), 1);
+        assert_eq!(gemm_kparts(16, 7, SPLITK_MIN_KSTEPS, 64, 132, 8), 1);
+        assert_eq!(gemm_kparts(16, 8, SPLITK_MIN_KSTEPS, 64, 132, 8), 2);
+        assert_eq!(gemm_kparts(16, 19, SPLITK_MIN_KSTEPS, 64, 132, 8), 4);
+        assert_eq!(gemm_kparts(0, 19, SPLITK_MIN_KSTEPS, 64, 132, 8), 1);
         // Every choice: parts of at least SPLITK_MIN_KSTEPS k-steps, at most about two blocks
         // per SM from the row blocks, within the cap.
         for sms in [1, 16, 78, 132, 144] {
             for rb in 0..300 {
                 for ks in 0..80 {
-                    let p = gemm_kparts(rb, ks, 64, sms, 8);
+                    let p = gemm_kparts(rb, ks, SPLITK_MIN_KSTEPS, 64, sms, 8);
                     assert!((1..=8).contains(&p));
                     if p > 1 {
                         assert!(ks / p >= SPLITK_MIN_KSTEPS && rb < sms && rb * p <= 2 * sms, "{rb} {ks} {sms}: {p}");
