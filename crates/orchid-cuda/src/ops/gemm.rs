@@ -367,7 +367,7 @@ pub fn gemm(
 /// out[n, r] for r < w.rows from `w`, then w.rows + r' from `w2` (the router and the
 /// shared-expert gate in one launch). Each output is the sum `gemm` gives for its weight alone
 /// whenever both split K alike (`gemm_kparts` of the row blocks of both: for the router of 256
-/// rows and the gate's one row, the same 4 parts as each alone on an H200).
+/// rows and the gate's one row, the same 8 parts as each alone on an H200).
 pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, out: u64, ldo: usize) -> Result<()> {
     if w2.fmt != w.fmt || w2.kpad != w.kpad || w2.cols != w.cols || w.count != 1 || w2.count != 1 {
         return Err(Error::Op { op: "gemm concat", msg: "the two weights differ in format or K".into() });
