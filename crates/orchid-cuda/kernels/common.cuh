@@ -54,6 +54,22 @@ DEVI float block_sum(float v, float* red) {
     float r = lane < nw ? red[lane] : 0.f;
     return warp_sum(r);
 }
+// Block-wide sums of N values at once, each the same tree as block_sum above (so the same
+// bits), one barrier pair for all: `red` holds N · 32 floats.
+template <int N>
+DEVI void block_sum_n(float (&v)[N], float* red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] = warp_sum(v[n]);
+    __syncthreads();
+    if (lane == 0)
+#pragma unroll
+        for (int n = 0; n < N; ++n) red[n * 32 + w] = v[n];
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] = warp_sum(lane < nw ? red[n * 32 + lane] : 0.f);
+}
+
 DEVI float block_max(float v, float* red) {
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
     v = warp_max(v);

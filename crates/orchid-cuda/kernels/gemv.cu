@@ -86,7 +86,7 @@ DEVI void gemv_body(const GemvArgs& a) {
     float* xsum = (float*)(smem + ring_bytes + (size_t)T * L.tstride * 4);
     float* red = xsum + T * groups;
 
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     const int tiles_per_block = 8 / a.ksplit;
     const int tile = blockIdx.x * tiles_per_block + warp / a.ksplit, ks = warp % a.ksplit;
     int tbase;

@@ -30,34 +30,19 @@ struct XLayout {
 // Words per staged token for kpad (multiple of 128).
 DEVI int x_words(int kpad, bool frag) { return frag ? kpad / 128 * 4 * XF_STRIDE : (kpad + 8) / 2; }
 
-// Stages x rows (f32, optionally normalised) into shared memory as bf16 (layout L) and writes
-// per-group sums of the rounded values into xsum [T][kpad / 64]. Zero beyond K.
-//
-// Block-wide sums of N values at once, each the same tree as block_sum (so the same bits), one
-// barrier pair for all: `red` holds N · 32 floats.
-template <int N>
-DEVI void block_sum_n(float (&v)[N], float* red) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int n = 0; n < N; ++n) v[n] = warp_sum(v[n]);
-    __syncthreads();
-    if (lane == 0)
-#pragma unroll
-        for (int n = 0; n < N; ++n) red[n * 32 + w] = v[n];
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < N; ++n) v[n] = warp_sum(lane < nw ? red[n * 32 + lane] : 0.f);
-}
-
 // Tokens whose rows stage_x_vec<NV, NORM> loads together: NV float4 registers per token, plus
 // NV for the norm weights; gemv_q4 has 80 registers, and larger groups make it spill.
 template <int NV, bool NORM>
 __host__ __device__ constexpr int stage_group() { return NV <= 2 || !NORM ? 2 : 1; }
 
+// Stages x rows (f32, optionally normalised) into shared memory as bf16 (layout L) and writes
+// per-group sums of the rounded values into xsum [T][kpad / 64]. Zero beyond K.
+//
 // Fast path (kpad ≤ 4 · NV · blockDim, 16-byte aligned rows; NORM: norm_w given): the tokens go
-// in groups of TG (stage_x: stage_group(), or 1 for a lone row); every thread issues all its 16-byte loads of a group's rows (and
-// the norm weights) at once, so a group costs one round trip to L2 plus one block reduction for
-// the norms of its rows; a 64-group is 16 consecutive float4 = 16 lanes, summed by shuffles.
+// in groups of TG (stage_x: stage_group(), or 1 for a lone row); every thread issues all its
+// 16-byte loads of a group's rows (and the norm weights) at once, so a group costs one round trip
+// to L2 plus one block reduction for the norms of its rows; a 64-group is 16 consecutive float4
+// = 16 lanes, summed by shuffles.
 // `red` holds 32 floats for T = 1, else TG · 32.
 template <int NV, bool NORM, int TG>
 DEVI void stage_x_vec(const float* __restrict__ x, int ldx, int T, int K, int kpad, const float* __restrict__ norm_w, float eps,
