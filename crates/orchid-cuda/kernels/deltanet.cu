@@ -464,21 +464,27 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const ChunkArgs
     for (int i = tid; i < dk * cw; i += 256) S[(i64)(i / cw) * dv + col0 + i % cw] = Ss[(i / cw) * VS + i % cw];
 }
 
-// gdn_chunk_scan on tensor cores, for dk a power of two ≥ 16 and cw = 32 state columns per block:
-// the same three phases and the same cp.async pipeline, each product as m16n8k8 TF32 MMAs in
-// three parts (Tf32x3: about f32 precision); the state stays f32 in shared memory, Vn and the
-// outputs are summed in f32. Warps of phases A and B: rows 16·(w % 4).. of the chunk, state
-// columns 16·(w / 4)..; phase C: state rows 16·w.. (+128, ...), all 32 columns. Row strides
-// (floats) keep every fragment load free of bank conflicts: W and Q dk + 4 (rows g, columns t),
-// K dk + 8 (read transposed), S, Vn and U 40, QK 68. Launch as gdn_chunk_scan, grid (Hv, dv/32).
-extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkArgs a0) {
+// gdn_chunk_scan on tensor cores, for dk a power of two ≥ 16 and CW = 32 or 64 state columns per
+// block: the same three phases and the same cp.async pipeline, each product as m16n8k8 TF32 MMAs
+// in three parts (Tf32x3: about f32 precision); the state stays f32 in shared memory, Vn and the
+// outputs are summed in f32. A block has 8 warps per 32 columns. Warps of phases A and B: rows
+// 16·(w % 4).. of the chunk, state columns 16·(w / 4)..; phase C: state rows 16·(w % 8).. (+128,
+// ...), columns 32·(w / 8).. +32. Every output and state element is the same sequence of MMAs
+// whatever CW, so both widths give the same bits; the wide one reads each chunk's W, Q, K and QK
+// once per 64 columns (ops/deltanet.rs scan_wide picks it where the narrow grid would take more
+// than one wave). Row strides (floats) keep every fragment load free of bank conflicts: W and Q
+// dk + 4 (rows g, columns t), K dk + 8 (read transposed), S, Vn and U CW + 8, QK 68. Grid (Hv,
+// dv/CW), block 8·CW.
+template <int CW>
+DEVI void chunk_scan_tc(const ChunkArgs a0) {
+    constexpr int NTH = 8 * CW;
     const ChunkArgs a = chunk_span(a0);
     extern __shared__ __align__(16) float sm[];
-    const int j = blockIdx.x, col0 = blockIdx.y * 32, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int j = blockIdx.x, col0 = blockIdx.y * CW, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;  // fragment row group and thread in group
     const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk, n = a.nchunks;
     const int c_begin = a.chunk0, c_end = a.chunk1;
-    const int WS = dk + 4, KS = dk + 8, VS = 40, QS = CHUNK + 4;
+    const int WS = dk + 4, KS = dk + 8, VS = CW + 8, QS = CHUNK + 4;
     float* Ss = sm;                // [dk][VS]
     float* Vn = Ss + dk * VS;      // [64][VS]
     float* Ub = Vn + CHUNK * VS;   // [64][VS]
@@ -493,8 +499,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
     const float* X = (const float*)a.x;
     float* S = (float*)a.state + (i64)j * dk * dv;
     // Rows of dk floats in 16-byte pieces: a thread copies piece kp of rows kr, kr + kstep, ...
-    // (dk a power of two: 256 threads cover whole rows).
-    const int kq = dk / 4, kp = tid % kq, kr = tid / kq, kstep = 256 / kq;
+    // (dk a power of two: NTH threads cover whole rows).
+    const int kq = dk / 4, kp = tid % kq, kr = tid / kq, kstep = NTH / kq;
     auto load_x = [&](float* buf, int stride, int col, int c) {
         const int t0 = c * CHUNK, L = min(CHUNK, a.T - t0);
         for (int r = kr; r < CHUNK; r += kstep) {
@@ -505,15 +511,16 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
     auto load_a = [&](int c) {
         const float* G = G0 + c * E;
         for (int r = kr; r < CHUNK; r += kstep) cp_async16(Wb + r * WS + 4 * kp, G + r * dk + 4 * kp, true);
-        for (int r = tid / 8; r < CHUNK; r += 32) cp_async16(Ub + r * VS + 4 * (tid % 8), G + CHUNK * dk + r * dv + col0 + 4 * (tid % 8), true);
+        constexpr int UQ = CW / 4;  // 16-byte pieces of a U row
+        for (int r = tid / UQ; r < CHUNK; r += NTH / UQ) cp_async16(Ub + r * VS + 4 * (tid % UQ), G + CHUNK * dk + r * dv + col0 + 4 * (tid % UQ), true);
         load_x(Qb, WS, kh * dk, c);
     };
     auto load_b = [&](int c) {
         const float* G = G0 + c * E + CHUNK * (dk + dv);
-        for (int r = tid / 16; r < CHUNK; r += 16) cp_async16(QKb + r * QS + 4 * (tid % 16), G + r * CHUNK + 4 * (tid % 16), true);
+        for (int r = tid / 16; r < CHUNK; r += NTH / 16) cp_async16(QKb + r * QS + 4 * (tid % 16), G + r * CHUNK + 4 * (tid % 16), true);
         if (tid < CHUNK / 4) cp_async16(gam + 4 * tid, G + CHUNK * CHUNK + 4 * tid, true);
     };
-    for (int i = tid; i < dk * 32; i += 256) Ss[(i / 32) * VS + i % 32] = S[(i64)(i / 32) * dv + col0 + i % 32];
+    for (int i = tid; i < dk * CW; i += NTH) Ss[(i / CW) * VS + i % CW] = S[(i64)(i / CW) * dv + col0 + i % CW];
     if (c_begin < c_end) load_a(c_begin);
     cp_async_commit();
     if (c_begin < c_end) load_b(c_begin);
@@ -607,15 +614,15 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
         if (c + 1 < c_end) load_b(c + 1);
         cp_async_commit();
         // C: S ← e^{γ_last} S + Σ_{m<L} (e^{γ_last−γ_m} k_m) ⊗ Vn_m; rows m ≥ L add zeros (fac = 0).
-        const int mend = (L + 7) & ~7;
-        for (int d0 = 16 * warp; d0 < dk; d0 += 128) {
+        const int mend = (L + 7) & ~7, cc = 32 * (warp >> 3);  // this warp's 32 columns
+        for (int d0 = 16 * (warp & 7); d0 < dk; d0 += 128) {
             Tf32x3 acc[4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
                 acc[nt].zero();
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float2 s = *(const float2*)(Ss + (d0 + g + 8 * h) * VS + 8 * nt + 2 * tg);
+                    const float2 s = *(const float2*)(Ss + (d0 + g + 8 * h) * VS + cc + 8 * nt + 2 * tg);
                     acc[nt].hh[2 * h] = el * s.x;
                     acc[nt].hh[2 * h + 1] = el * s.y;
                 }
@@ -631,7 +638,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
                 tf32_split(f1 * k[4 * KS + 8], ah[3], al[3]);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
-                    const float* v = Vn + (k0 + tg) * VS + 8 * nt + g;
+                    const float* v = Vn + (k0 + tg) * VS + cc + 8 * nt + g;
                     u32 bh[2], bl[2];
                     tf32_split(v[0], bh[0], bl[0]);
                     tf32_split(v[4 * VS], bh[1], bl[1]);
@@ -642,13 +649,15 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkA
             for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    *(float2*)(Ss + (d0 + g + 8 * h) * VS + 8 * nt + 2 * tg) = make_float2(acc[nt].value(2 * h), acc[nt].value(2 * h + 1));
+                    *(float2*)(Ss + (d0 + g + 8 * h) * VS + cc + 8 * nt + 2 * tg) = make_float2(acc[nt].value(2 * h), acc[nt].value(2 * h + 1));
         }
     }
     cp_async_wait<0>();
     __syncthreads();
-    for (int i = tid; i < dk * 32; i += 256) S[(i64)(i / 32) * dv + col0 + i % 32] = Ss[(i / 32) * VS + i % 32];
+    for (int i = tid; i < dk * CW; i += NTH) S[(i64)(i / CW) * dv + col0 + i % CW] = Ss[(i / CW) * VS + i % CW];
 }
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc(const ChunkArgs a0) { chunk_scan_tc<32>(a0); }
+extern "C" __global__ void __launch_bounds__(512) gdn_chunk_scan_tc_wide(const ChunkArgs a0) { chunk_scan_tc<64>(a0); }
 
 // out[t, j·dv + c] = w[c] · core / rms(core over the head) · silu(z). One warp per (t, head).
 extern "C" __global__ void __launch_bounds__(128) gdn_gated_norm(const GNormArgs a) {

@@ -143,6 +143,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gdn_chunk_prep",
             "gdn_chunk_scan",
             "gdn_chunk_scan_tc",
+            "gdn_chunk_scan_tc_wide",
             "gdn_gated_norm",
             "gdn_decode",
             "gdn_decode_rows",

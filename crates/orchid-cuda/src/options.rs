@@ -101,6 +101,9 @@ pub struct Tuning {
     /// The GDN chunk scan's products on tensor cores (`ops::deltanet::scan_on_tensor_cores`,
     /// 3xTF32) where its dims allow; false: f32 FMAs.
     pub gdn_scan_tc: bool,
+    /// Tensor-core chunk scans whose 32-column grid would take more than one wave run 64 columns
+    /// a block (`ops::deltanet::scan_wide`, the same bits); false: always 32.
+    pub gdn_scan_wide: bool,
     /// MoE blocks of at least this many rows on the GEMM path prepare the next block's GEMM input
     /// in their combine (`moe_combine` with a norm: a block per token); smaller ones leave it to
     /// the next block's `gemm_xprep_norm`.
@@ -130,6 +133,7 @@ impl Default for Tuning {
             gemm_wgmma: true,
             gemm_direct: true,
             gdn_scan_tc: true,
+            gdn_scan_wide: true,
             combine_norm_min: 9,
         }
     }
@@ -163,6 +167,7 @@ impl Tuning {
             gemm_wgmma: self.gemm_wgmma,
             gemm_direct: self.gemm_direct,
             gdn_scan_tc: self.gdn_scan_tc,
+            gdn_scan_wide: self.gdn_scan_wide,
             combine_norm_min: self.combine_norm_min,
         }
     }
@@ -197,6 +202,7 @@ mod tests {
             gemm_wgmma: false,
             gemm_direct: false,
             gdn_scan_tc: false,
+            gdn_scan_wide: false,
             combine_norm_min: 0,
         };
         let c = wild.clamped();

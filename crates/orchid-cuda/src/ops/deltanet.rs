@@ -196,17 +196,27 @@ pub fn chunk_scan_smem(dk: usize, cw: usize) -> usize {
 /// Most dynamic shared memory one block of the chunked-prefill kernels may take (sm_90).
 const BLOCK_SMEM_MAX: usize = 227 * 1024;
 
-/// Dynamic shared memory of `gdn_chunk_scan_tc` (32 state columns a block): S, Vn and U
-/// [..][40], W and Q [64][dk+4], K [64][dk+8], QK [64][68], γ and the decay factors.
-pub fn chunk_scan_tc_smem(dk: usize) -> usize {
-    (dk * 40 + 2 * CHUNK * 40 + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4) + 2 * CHUNK) * 4
+/// Dynamic shared memory of `gdn_chunk_scan_tc` (`cw` = 32 state columns a block, or 64 for
+/// `gdn_chunk_scan_tc_wide`): S, Vn and U [..][cw + 8], W and Q [64][dk+4], K [64][dk+8], QK
+/// [64][68], γ and the decay factors.
+pub fn chunk_scan_tc_smem(dk: usize, cw: usize) -> usize {
+    (dk * (cw + 8) + 2 * CHUNK * (cw + 8) + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4) + 2 * CHUNK) * 4
 }
 
 /// Whether the chunk scan of these dims runs on tensor cores (`gdn_chunk_scan_tc`, unless
 /// `Tuning::gdn_scan_tc` is off): dk a power of two from 16 on, 32 state columns per block (dv
 /// a multiple of 32), and its shared memory within the 227 KB of a block.
 pub fn scan_on_tensor_cores(c: &Ctx, dk: usize, cw: usize) -> bool {
-    c.tuning.gdn_scan_tc && dk >= 16 && dk.is_power_of_two() && cw == 32 && chunk_scan_tc_smem(dk) <= BLOCK_SMEM_MAX
+    c.tuning.gdn_scan_tc && dk >= 16 && dk.is_power_of_two() && cw == 32 && chunk_scan_tc_smem(dk, 32) <= BLOCK_SMEM_MAX
+}
+
+/// Whether a tensor-core scan of `blocks` 32-column blocks runs as `gdn_chunk_scan_tc_wide`
+/// (64 columns and 512 threads a block: each chunk's W, Q, K and QK read once per 64 columns, half
+/// the blocks; the same bits): where the 32-column grid would take more than one wave of `sms`
+/// (one block per SM), dv allows it and `Tuning::gdn_scan_wide` is on. A grid within one wave
+/// keeps its blocks' count: every block walks the chunks one after another.
+pub fn scan_wide(c: &Ctx, dk: usize, dv: usize, blocks: usize) -> bool {
+    c.tuning.gdn_scan_wide && dv.is_multiple_of(64) && blocks > c.gpu.sms as usize && chunk_scan_tc_smem(dk, 64) <= BLOCK_SMEM_MAX
 }
 
 pub fn check_dims(dk: usize, dv: usize, conv_dim: usize, kc: usize) -> Result<()> {
@@ -263,7 +273,11 @@ pub fn chunk_scan(c: &Ctx, a: &ChunkArgs) -> Result<()> {
     let (dk, dv, cw) = (a.dk as usize, a.dv as usize, a.cw as usize);
     let grid = (a.hv as u32, (dv / cw) as u32, a.nspans.max(1) as u32);
     if scan_on_tensor_cores(c, dk, cw) {
-        return c.k("gdn_chunk_scan_tc").launch(&c.gpu, grid, 256, chunk_scan_tc_smem(dk) as u32, a);
+        if scan_wide(c, dk, dv, (grid.0 * grid.1 * grid.2) as usize) {
+            let grid = (grid.0, (dv / 64) as u32, grid.2);
+            return c.k("gdn_chunk_scan_tc_wide").launch(&c.gpu, grid, 512, chunk_scan_tc_smem(dk, 64) as u32, a);
+        }
+        return c.k("gdn_chunk_scan_tc").launch(&c.gpu, grid, 256, chunk_scan_tc_smem(dk, 32) as u32, a);
     }
     c.k("gdn_chunk_scan").launch(&c.gpu, grid, 256, chunk_scan_smem(dk, cw) as u32, a)
 }
@@ -447,7 +461,8 @@ mod tests {
         assert_eq!(chunk_scratch_bytes(32, 128, 128, 4096), 32 * 64 * 64 * (128 + 128 + 65) * 4);
         assert_eq!(chunk_prep_smem(128, 128), 85_504);
         assert_eq!(chunk_scan_smem(128, 32), 156_160);
-        assert_eq!(chunk_scan_tc_smem(128), 161_280);
+        assert_eq!(chunk_scan_tc_smem(128, 32), 161_280);
+        assert_eq!(chunk_scan_tc_smem(128, 64), 194_048);
         // q/k/W rows are moved in 16-byte pieces, the prep's products in k-steps of 8.
         assert!(check_dims(30, 32, 184, 4).is_err());
         assert!(check_dims(36, 32, 184, 4).is_err());

@@ -15,7 +15,8 @@
 //!   batched decode), SPLITK_CLUSTER (0: split-K GEMMs summed by a reduction kernel), GROUPED_BN_MIN (32: no 8-token
 //!   tiles for the experts' grouped GEMMs), GEMM_EACH (0: a GEMM launch per input projection),
 //!   GEMM_EACH_WAVE (0: that launch only where each weight alone splits K alike), GEMM_WGMMA, GEMM_DIRECT,
-//!   GDN_SCAN_TC (0: the GDN chunk scan on f32 FMAs), COMBINE_NORM_MIN (rows from which the MoE
+//!   GDN_SCAN_TC (0: the GDN chunk scan on f32 FMAs), GDN_SCAN_WIDE (0: its tensor-core form 32
+//!   columns a block, however many blocks), COMBINE_NORM_MIN (rows from which the MoE
 //!   combine prepares the next block's input)).
 //! - `ORCHID_DECODE_GRAPH=0` (or false/off/no): the engine decodes without the CUDA decode graph.
 //! - `ORCHID_FAULT=load` or `step` (a testing aid): the engine thread panics while loading or at
@@ -77,6 +78,7 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 gemm_wgmma: tune("GEMM_WGMMA", t.gemm_wgmma as usize) != 0,
                 gemm_direct: tune("GEMM_DIRECT", t.gemm_direct as usize) != 0,
                 gdn_scan_tc: tune("GDN_SCAN_TC", t.gdn_scan_tc as usize) != 0,
+                gdn_scan_wide: tune("GDN_SCAN_WIDE", t.gdn_scan_wide as usize) != 0,
                 combine_norm_min: tune("COMBINE_NORM_MIN", t.combine_norm_min),
             },
         }
