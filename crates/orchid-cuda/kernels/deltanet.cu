@@ -479,13 +479,13 @@ template <int CW>
 DEVI void chunk_scan_tc(const ChunkArgs a0) {
     constexpr int NTH = 8 * CW;
     const ChunkArgs a = chunk_span(a0);
-    extern __shared__ __align__(16) float sm[];
+    extern __shared__ __align__(16) float scan_sm[];  // not `sm`: in a template that name clashes with the kernels' (nvcc warning 1556)
     const int j = blockIdx.x, col0 = blockIdx.y * CW, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;  // fragment row group and thread in group
     const int dk = a.dk, dv = a.dv, kh = j / (a.Hv / a.Hk), key_dim = a.Hk * dk, n = a.nchunks;
     const int c_begin = a.chunk0, c_end = a.chunk1;
     const int WS = dk + 4, KS = dk + 8, VS = CW + 8, QS = CHUNK + 4;
-    float* Ss = sm;                // [dk][VS]
+    float* Ss = scan_sm;           // [dk][VS]
     float* Vn = Ss + dk * VS;      // [64][VS]
     float* Ub = Vn + CHUNK * VS;   // [64][VS]
     float* Wb = Ub + CHUNK * VS;   // [64][WS]
