@@ -273,11 +273,14 @@ pub fn chunk_scan(c: &Ctx, a: &ChunkArgs) -> Result<()> {
     let (dk, dv, cw) = (a.dk as usize, a.dv as usize, a.cw as usize);
     let grid = (a.hv as u32, (dv / cw) as u32, a.nspans.max(1) as u32);
     if scan_on_tensor_cores(c, dk, cw) {
-        if scan_wide(c, dk, dv, (grid.0 * grid.1 * grid.2) as usize) {
-            let grid = (grid.0, (dv / 64) as u32, grid.2);
-            return c.k("gdn_chunk_scan_tc_wide").launch(&c.gpu, grid, 512, chunk_scan_tc_smem(dk, 64) as u32, a);
-        }
-        return c.k("gdn_chunk_scan_tc").launch(&c.gpu, grid, 256, chunk_scan_tc_smem(dk, 32) as u32, a);
+        // 8 warps per 32 columns a block (the kernels' template width).
+        let (name, tw) = if scan_wide(c, dk, dv, (grid.0 * grid.1 * grid.2) as usize) {
+            ("gdn_chunk_scan_tc_wide", 64)
+        } else {
+            ("gdn_chunk_scan_tc", 32)
+        };
+        let grid = (grid.0, (dv / tw) as u32, grid.2);
+        return c.k(name).launch(&c.gpu, grid, 8 * tw as u32, chunk_scan_tc_smem(dk, tw) as u32, a);
     }
     c.k("gdn_chunk_scan").launch(&c.gpu, grid, 256, chunk_scan_smem(dk, cw) as u32, a)
 }
