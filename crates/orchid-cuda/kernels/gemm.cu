@@ -286,6 +286,7 @@ DEVI void q4_kstep(float (&tot)[MT][NT][4], u32 As, u32 Bh, u32 Xs, int row0, in
 DEVI void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 DEVI void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 DEVI void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+DEVI void wg_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 // The cp.async writes of a stage (generic proxy) made visible to wgmma's reads (async proxy).
 DEVI void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the accumulator registers where wgmma left them (no copy while the MMA runs).
@@ -407,6 +408,48 @@ DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int ro
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int c = 0; c < 4; ++c) tot[0][n][c] = __fmaf_rn(c < 2 ? s0 : s1, acc[4 * n + c], tot[0][n][c]);
+    }
+}
+
+// The _wgr kernels (Tuning::gemm_wg_round): each 4-bit weight dequantised in registers to bf16,
+// w = s·q + b rounded once (as MLX's quantized matmul dequantises before its bf16 products), and
+// the tensor cores accumulate the whole K into tot: no per-group scale step, no group sums, no
+// wait inside the k-step (the main loop waits once per barrier). Same operand layouts as
+// q4_kstep_wg; the outputs differ from the exact form by the weights' bf16 rounding.
+DEVI u32 q4_dq(u32 qm, u32 s2, u32 b2) {
+    u32 q, w;
+    // (128 + q) · 1 − 128 = q exactly, then s · q + b with one rounding.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(qm), "r"(0x3F803F80u), "r"(0xC300C300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
+    return w;
+}
+template <int BN, int NL>
+DEVI void q4_kstep_wgr(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, int row0, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+    const u32 a_at = As + (row0 + g) * 64 + t4 * 16, s_at = As + BM * 64 + (row0 + g) * 8;
+    const uint4 A0 = lds128_at(a_at), A1 = lds128_at(a_at + 512);
+    const uint2 SB0 = lds64_at(s_at), SB1 = lds64_at(s_at + 64);
+    float(&acc)[NL / 2] = *reinterpret_cast<float(*)[NL / 2]>(&tot[0][0][0]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        // Scale (low half) and bias (high half) of rows g and g + 8, each in both halves.
+        const u32 sv0 = j ? SB0.y : SB0.x, sv1 = j ? SB1.y : SB1.x;
+        const u32 s0 = __byte_perm(sv0, 0, 0x1010), b0 = __byte_perm(sv0, 0, 0x3232);
+        const u32 s1 = __byte_perm(sv1, 0, 0x1010), b1 = __byte_perm(sv1, 0, 0x3232);
+        u32 a[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int p0 = 2 * (s & 1), wi = 2 * j + (s >> 1);
+            const u32 wa = word4(A0, wi), wb = word4(A1, wi);
+            a[s][0] = q4_dq(q4_pair(wa, p0), s0, b0), a[s][1] = q4_dq(q4_pair(wb, p0), s1, b1);
+            a[s][2] = q4_dq(q4_pair(wa, p0 + 1), s0, b0), a[s][3] = q4_dq(q4_pair(wb, p0 + 1), s1, b1);
+        }
+        wg_fence();
+        const u32 b = wg_desc_lo(Bs) + j * BN * 128 / 16;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) wgmma_q4<NL, true>(acc, a[s], wg_desc(b + s * 2));
+        wg_commit();
+        wg_wait_one();  // the group before is done: its weight registers are free again
     }
 }
 
@@ -556,7 +599,12 @@ DEVI void q4_ld_loop(float (&tot)[1][BN / 8][4], Q4Rows w, u32 bsm, u32 xsm, int
     }
 }
 
-template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false, bool LD = false>
+template <int N>
+struct IntC {
+    static constexpr int value = N;
+};
+
+template <int FMT, int BN, bool PAIR, bool CLUSTER, bool WG = false, bool LD = false, bool WR = false>
 DEVI void gemm_body(const GemmArgs& a) {
     // x, the tile table and the output belong to earlier kernels of the stream. A GEMM without a
     // tile table, or whose table was written two or more kernels back (tiles_early), requests its
@@ -700,7 +748,7 @@ DEVI void gemm_body(const GemmArgs& a) {
                 cp_async16(Bs + (ch >> 3) * (BN * 128) + tr * 128 + (((ch & 7) ^ (tr & 7)) << 4), srcB[i] + kt * 256, b_ok(i));
             }
             unsigned char* Xs = stages + st * STAGE + Cfg::X_OFF;
-            if (xtk < BN) cp_async4(Xs + (threadIdx.x & 1) * (BN * 4) + xtk * 4, srcX + kt * 8, xtk < count);
+            if (!WR && xtk < BN) cp_async4(Xs + (threadIdx.x & 1) * (BN * 4) + xtk * 4, srcX + kt * 8, xtk < count);
         } else {
             unsigned char* Bs = stages + st * STAGE + Cfg::A_OFF + A_BYTES;
 #pragma unroll
@@ -794,28 +842,49 @@ DEVI void gemm_body(const GemmArgs& a) {
         // waits for its wgmma): k-steps kt and kt + 1 are computed while kt + 2 and kt + 3 load
         // into the stages kt − 2 and kt − 1 used (k-step k in stage k mod 4).
         static_assert(S == 4, "the _wg main loop pairs four stages");
-        auto compute = [&](int stage) {
-            const u32 base = smem_u32(stages + stage * STAGE);
-            const u32 as = base + Cfg::A_OFF, bs = base + Cfg::B_OFF, xs = base + Cfg::X_OFF;
-            // The tile's tokens in the narrowest wgmma width that holds them (block-uniform).
-            if (count > 32) q4_kstep_wg<BN, 64>(tot, as, bs, xs, row0, lane);
-            else if (count > 16) q4_kstep_wg<BN, 32>(tot, as, bs, xs, row0, lane);
-            else q4_kstep_wg<BN, 16>(tot, as, bs, xs, row0, lane);
-        };
-        prologue(2);
+        // NL (WR only): the wgmma width of every k-step, chosen once for the block, so that the
+        // rounded form's accumulators stay in one wgmma shape across k-steps (mixing shapes on
+        // them made ptxas serialise every wgmma); 0: chosen per k-step.
+        auto main_loop = [&](auto nl) {
+            constexpr int NL = decltype(nl)::value;
+            auto compute = [&](int stage) {
+                const u32 base = smem_u32(stages + stage * STAGE);
+                const u32 as = base + Cfg::A_OFF, bs = base + Cfg::B_OFF, xs = base + Cfg::X_OFF;
+                // The tile's tokens in the narrowest wgmma width that holds them (block-uniform).
+                if constexpr (NL > 0) {
+                    q4_kstep_wgr<BN, NL>(tot, as, bs, row0, lane);
+                } else {
+                    if (count > 32) q4_kstep_wg<BN, 64>(tot, as, bs, xs, row0, lane);
+                    else if (count > 16) q4_kstep_wg<BN, 32>(tot, as, bs, xs, row0, lane);
+                    else q4_kstep_wg<BN, 16>(tot, as, bs, xs, row0, lane);
+                }
+            };
+            prologue(2);
 #pragma unroll 1
-        for (int kt = 0; kt < nk; kt += 2) {
-            cp_async_wait<0>();   // k-steps kt and kt + 1 have landed
-            fence_proxy_async();  // this thread's copies, for the tensor cores' reads
-            // Everyone's copies are visible, and everyone is done with k-steps kt − 2 and kt − 1.
-            __syncthreads();
+            for (int kt = 0; kt < nk; kt += 2) {
+                cp_async_wait<0>();   // k-steps kt and kt + 1 have landed
+                fence_proxy_async();  // this thread's copies, for the tensor cores' reads
+                // Everyone's copies are visible, and everyone is done with k-steps kt − 2 and kt − 1.
+                __syncthreads();
 #pragma unroll
-            for (int s = 2; s < 4; ++s) {
-                if (kt + s < nk) load_stage(kt + s, (kt + s) & 3);
-                cp_async_commit();
+                for (int s = 2; s < 4; ++s) {
+                    if (kt + s < nk) load_stage(kt + s, (kt + s) & 3);
+                    cp_async_commit();
+                }
+                compute(kt & 3);
+                if (kt + 1 < nk) compute((kt + 1) & 3);
+                if constexpr (NL > 0) {  // the stages of kt and kt + 1 are refilled after the next barrier
+                    wg_wait_all();
+                    wg_pin(*reinterpret_cast<float(*)[NL / 2]>(&tot[0][0][0]));
+                }
             }
-            compute(kt & 3);
-            if (kt + 1 < nk) compute((kt + 1) & 3);
+        };
+        if constexpr (WR) {
+            if (count > 32) main_loop(IntC<64>{});
+            else if (count > 16) main_loop(IntC<32>{});
+            else main_loop(IntC<16>{});
+        } else {
+            main_loop(IntC<0>{});
         }
     } else {
         // Prologue: k-steps 0..S-2, one commit group each (empty groups past nk keep the count fixed).
@@ -989,6 +1058,13 @@ GEMM_KERNEL_WG(gemm_q4_n64_wg, 64, false, false)
 GEMM_KERNEL_WG(gemm_q4_pair_n64_wg, 64, true, false)
 GEMM_KERNEL_WG(gemm_q4_n64_kc_wg, 64, false, true)
 GEMM_KERNEL_WG(gemm_q4_pair_n64_kc_wg, 64, true, true)
+// The same with the weights rounded to bf16 (q4_kstep_wgr).
+#define GEMM_KERNEL_WGR(name, BN, PAIR, CLUSTER) \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(const GemmArgs a) { gemm_body<FMT_Q4, BN, PAIR, CLUSTER, true, false, true>(a); }
+GEMM_KERNEL_WGR(gemm_q4_n64_wgr, 64, false, false)
+GEMM_KERNEL_WGR(gemm_q4_pair_n64_wgr, 64, true, false)
+GEMM_KERNEL_WGR(gemm_q4_n64_kc_wgr, 64, false, true)
+GEMM_KERNEL_WGR(gemm_q4_pair_n64_kc_wgr, 64, true, true)
 
 // Split-K reduction: out[n, m] = Σ_z part[z][n][m] for m < M, summed in the order z = 0, 1, ...,
 // kparts − 1 (so every run gives the same bits), then out[n, m] + that sum where acc (a residual

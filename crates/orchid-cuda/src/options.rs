@@ -94,6 +94,10 @@ pub struct Tuning {
     /// The Q4 GEMMs of 64-token tiles on Hopper's warpgroup MMA (`ops::gemm::gemm_wgmma`, the
     /// `_wg` kernels, compute capability 9.0); false: the mma.sync kernels.
     pub gemm_wgmma: bool,
+    /// The `_wg` GEMMs dequantise each 4-bit weight to bf16 (one rounding, as MLX's quantized
+    /// matmul does) and let the tensor cores accumulate all of K (`ops::gemm::gemm_wg_round`, the
+    /// `_wgr` kernels); false: the exact per-group scale step (the mma.sync kernels' bits).
+    pub gemm_wg_round: bool,
     /// Q4 GEMMs with each warp's weights loaded straight into registers (`ops::gemm::gemm_ld`,
     /// the `_ld` kernels: the experts' 8-token tiles, dense 32-token tiles split in clusters);
     /// false: the cp.async pipeline.
@@ -131,6 +135,7 @@ impl Default for Tuning {
             gemm_each: true,
             gemm_each_wave: true,
             gemm_wgmma: true,
+            gemm_wg_round: false,
             gemm_direct: true,
             gdn_scan_tc: true,
             gdn_scan_wide: true,
@@ -165,6 +170,7 @@ impl Tuning {
             gemm_each: self.gemm_each,
             gemm_each_wave: self.gemm_each_wave,
             gemm_wgmma: self.gemm_wgmma,
+            gemm_wg_round: self.gemm_wg_round,
             gemm_direct: self.gemm_direct,
             gdn_scan_tc: self.gdn_scan_tc,
             gdn_scan_wide: self.gdn_scan_wide,
@@ -200,6 +206,7 @@ mod tests {
             gemm_each: false,
             gemm_each_wave: false,
             gemm_wgmma: false,
+            gemm_wg_round: true,
             gemm_direct: false,
             gdn_scan_tc: false,
             gdn_scan_wide: false,

@@ -532,6 +532,51 @@ fn gemm_wgmma_matches_mma_sync() {
     }
 }
 
+/// The rounded `_wg` kernels (`Tuning::gemm_wg_round`, the `_wgr` kernels: each weight
+/// dequantised to bf16 once, the whole K accumulated by the tensor cores) against the CPU on the
+/// same bf16 weights (s · q + b rounded once) and bf16-rounded inputs ("strict": only the
+/// accumulation order differs) and on the exact 4-bit weights ("loose"), one pass and split-K,
+/// at token counts whose last tile takes each wgmma width. A GEMM that is bit for bit the exact kernels' did not take a 64-token
+/// tile (only the strict check is skipped); the long ones must take it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_wg_round_matches_rounded_weights() {
+    let g = gpu();
+    if !gemm::gemm_wgmma(&g.ctx, orchid_cuda::weights::WFormat::Q4, 64) {
+        println!("no warpgroup MMA on this GPU: nothing to compare");
+        return;
+    }
+    let r = g.with_tuning(&orchid_cuda::Tuning { gemm_wg_round: true, ..Default::default() }).unwrap();
+    let c = CpuBackend::new();
+    let mut rng = Rng::new(43);
+    for &(k, n) in &[(2048usize, 1024usize), (512, 2048), (1024, 640)] {
+        let v = rng.vec(n * k, (3.0 / k as f32).sqrt());
+        let hw = affine(n, k, &v, 4);
+        let (gw, rw) = (g.upload_linear(&hw).unwrap(), r.upload_linear(&hw).unwrap());
+        let (cexact, crounded) = (c.upload_linear(&hw).unwrap(), c.upload_linear(&dense_bf16(n, k, &round_bf16(&hw.to_f32()))).unwrap());
+        for &t in &[64usize, 90, 1100, 1120, 1130] {
+            let tag = format!("T={t} K={k} N={n}");
+            let x = rng.vec(t * k, 1.0);
+            let gx = up(&g, t, k, &x);
+            let xp = gemm::gemm_x(&g.ctx, gx.ptr(), k, t, k).unwrap();
+            let xr = CpuTensor::from_vec(t, k, round_bf16(&x));
+            let (strict, loose) = (c.matmul(&xr, &crounded).unwrap(), c.matmul(&xr, &cexact).unwrap());
+            for parts in [1, 4] {
+                let a = gemm_parts(&r, &rw, None, &xp, t, parts);
+                let b = gemm_parts(&g, &gw, None, &xp, t, parts);
+                let rounded = a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits());
+                if rounded {
+                    report(&format!("wg rounded vs CPU on bf16 weights, {parts} K parts {tag}"), rel_l2(&a, &strict.data), 1e-4);
+                } else {
+                    println!("  {parts} K parts {tag}: not on a 64-token tile");
+                    assert!(t < 1000, "{tag}: a long GEMM took no rounded 64-token tile");
+                }
+                report(&format!("wg rounded vs exact weights, {parts} K parts {tag}"), rel_l2(&a, &loose.data), 1e-2);
+            }
+        }
+    }
+}
+
 /// Dense split-K Q4 GEMMs of 9–32 tokens with the weights loaded straight into registers (the
 /// `_ld` kernels, `gemm::gemm_ld`) against the cp.async pipeline: 2–8 K parts in clusters, K
 /// 2,048 and 4,096, a partial row block (N = 1001), the accumulating form and a block's

@@ -219,6 +219,13 @@ pub fn gemm_wgmma(c: &Ctx, fmt: WFormat, bn: usize) -> bool {
     c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && bn == 64
 }
 
+/// Whether the `_wg` GEMMs run in their rounded form (`_wgr`, `Tuning::gemm_wg_round`): each
+/// weight dequantised to bf16 and the whole K accumulated by the tensor cores (kernels/gemm.cu,
+/// `q4_kstep_wgr`), so the outputs differ from the mma.sync kernels' by that rounding.
+pub fn gemm_wg_round(c: &Ctx) -> bool {
+    c.tuning.gemm_wg_round
+}
+
 /// Dynamic shared memory of an `_ld` kernel (weights loaded straight into registers) of token
 /// tile `bn` whose blocks take `ksteps` k-steps: their token rows and group sums
 /// (kernels/gemm.cu, "direct weight loads"), or the epilogue's C tile if larger.
@@ -384,7 +391,9 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
 fn gemm_pick(c: &Ctx, fmt: WFormat, pair: bool, bn: usize, cluster: bool, grouped: bool, concat: bool, ksteps: usize) -> (String, usize) {
     let wg = gemm_wgmma(c, fmt, bn);
     let ld = if grouped || (!pair && !concat) { gemm_ld(c, fmt, bn, grouped, cluster, ksteps) } else { None };
-    (gemm_kernel(fmt, pair, bn, cluster, wg, ld.is_some()), ld.unwrap_or_else(|| gemm_smem(fmt, bn, wg)))
+    let name = gemm_kernel(fmt, pair, bn, cluster, wg, ld.is_some());
+    let name = if wg && gemm_wg_round(c) { name + "r" } else { name };
+    (name, ld.unwrap_or_else(|| gemm_smem(fmt, bn, wg)))
 }
 
 /// The GEMM kernel of a format, gate/up pair or not, token tile, split-K form (`cluster`: the
