@@ -1489,12 +1489,15 @@ fn moe_routing_and_experts() {
     let pipe = g.with_tuning(&orchid_cuda::Tuning { gemm_direct: false, ..Default::default() }).unwrap();
     // Every MoE block on the GEMM path preparing the next block's input in its combine.
     let fused = g.with_tuning(&orchid_cuda::Tuning { combine_norm_min: 0, ..Default::default() }).unwrap();
+    // The 64-token tiles with their weights rounded to bf16 (`_wgr`), and 128-token ones too.
+    let rounded = g.with_tuning(&orchid_cuda::Tuning { gemm_wg_round: true, ..Default::default() }).unwrap();
+    let rounded128 = g.with_tuning(&orchid_cuda::Tuning { gemm_wg_round: true, gemm_wg128: true, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(6);
     // (E, k, H, I, Is, T list)
     let cases: [(usize, usize, usize, usize, usize, &[usize]); 3] = [
         (256, 8, 2048, 512, 512, &[1, 5, 63, 64, 65, 127]),
-        (16, 4, 128, 64, 128, &[1, 8, 9, 63, 64, 65, 127, 4097]),
+        (16, 4, 128, 64, 128, &[1, 8, 9, 63, 64, 65, 127, 513, 4097]),
         (12, 3, 256, 128, 0, &[1, 65]),
     ];
     for &(e, k, h, i, is, ts) in &cases {
@@ -1541,6 +1544,11 @@ fn moe_routing_and_experts() {
             // Nor the weights' path into registers (8-token tiles: direct loads).
             let po = host(&pipe, &pipe.moe(&up(&pipe, t, h, &x), &gw, &cfg.moe).unwrap());
             report_same(&format!("moe direct weight loads = cp.async pipeline E={e} k={k} T={t}"), &go, &po);
+            // The rounded tiles: the CPU's tolerance; 128 tokens a tile against 64, the same sums.
+            let ro = host(&rounded, &rounded.moe(&up(&rounded, t, h, &x), &gw, &cfg.moe).unwrap());
+            report(&format!("moe rounded 64-token tiles E={e} k={k} T={t}"), rel_l2(&ro, &co.data), 1e-2);
+            let r128 = host(&rounded128, &rounded128.moe(&up(&rounded128, t, h, &x), &gw, &cfg.moe).unwrap());
+            report(&format!("moe rounded 128-token tiles vs 64 E={e} k={k} T={t}"), rel_l2(&r128, &ro), 1e-6);
             // The whole block (norm, experts, residual add) leaving the next block's input prepared
             // by its combine: the same residual rows and the same next projections as the next
             // block's own norm and preparation.

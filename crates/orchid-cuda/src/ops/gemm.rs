@@ -165,6 +165,14 @@ pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
     }
 }
 
+/// Token-tile width of the experts' grouped GEMM of `listed` assignments averaging `avg` a
+/// expert: `gemm_bn`, at least `Tuning::grouped_bn_min`, and 128 for Q4 experts averaging 128 or
+/// more where `Tuning::gemm_wg128` asks for the rounded 128-token tiles and they run here.
+pub fn grouped_bn(c: &Ctx, fmt: WFormat, listed: usize, avg: usize) -> usize {
+    let bn = gemm_bn(fmt, listed, Some(avg)).max(c.tuning.grouped_bn_min);
+    if c.tuning.gemm_wg128 && avg >= 128 && gemm_wgmma(c, fmt, 128) { 128 } else { bn }
+}
+
 /// Token-tile width of a dense GEMM with `row_blocks` blocks along the weight rows: `gemm_bn`,
 /// halved (down to 32) while the grid has fewer blocks than the GPU has SMs, so that small
 /// GEMMs spread over more SMs (the sums and their order do not depend on the tile width; the
@@ -197,14 +205,14 @@ pub fn gemm_stages(fmt: WFormat, bn: usize) -> usize {
 
 /// Dynamic shared memory of a GEMM kernel: its stages (weights, token rows, group sums per
 /// k-step), or the epilogue's C tile if larger (kernels/gemm.cu `GemmCfg::SMEM`). `wg` (the
-/// `_wg` kernels): unpadded token rows, stages of whole KB and 1 KB to align the first.
+/// `_wg` kernels): unpadded token rows, four stages of whole KB and 1 KB to align the first.
 pub fn gemm_smem(fmt: WFormat, bn: usize, wg: bool) -> usize {
     let a = match fmt {
         WFormat::Q4 => 128 * 64 + 128 * 8,
         WFormat::Bf16 => 128 * 136 * 2,
     };
     let main = if wg {
-        gemm_stages(fmt, bn) * (a + bn * 256 + bn * 2 * 4).next_multiple_of(1024) + 1024
+        4 * (a + bn * 256 + bn * 2 * 4).next_multiple_of(1024) + 1024
     } else {
         gemm_stages(fmt, bn) * (a + bn * 136 * 2 + bn * 2 * 4)
     };
@@ -216,7 +224,7 @@ pub fn gemm_smem(fmt: WFormat, bn: usize, wg: bool) -> usize {
 /// Each output is the same sum of the same mma and scale steps in the same order as in the
 /// mma.sync kernels (kernels/gemm.cu, "warpgroup MMA").
 pub fn gemm_wgmma(c: &Ctx, fmt: WFormat, bn: usize) -> bool {
-    c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && bn == 64
+    c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && (bn == 64 || (bn == 128 && gemm_wg_round(c)))
 }
 
 /// Whether the `_wg` GEMMs run in their rounded form (`_wgr`, `Tuning::gemm_wg_round`): each
@@ -701,6 +709,8 @@ mod tests {
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn, false);
         assert_eq!(gemm_smem(WFormat::Q4, 64, true), 107520); // 4 stages of 26 KB + 1 KB
+        assert_eq!(gemm_smem(WFormat::Q4, 128, true), 173056); // 4 stages of 42 KB + 1 KB: one block per SM
+        assert!(gemm_smem(WFormat::Q4, 128, true) <= 227 * 1024);
         assert_eq!(smem(WFormat::Q4, 8), 68736); // 6 stages
         assert_eq!(smem(WFormat::Q4, 32), 109056); // 6 stages
         assert_eq!(smem(WFormat::Q4, 64), 108544); // 4 stages
