@@ -99,7 +99,8 @@ pub struct Tuning {
     /// `_wgr` kernels); false: the exact per-group scale step (the mma.sync kernels' bits).
     pub gemm_wg_round: bool,
     /// With `gemm_wg_round`: the experts' grouped Q4 GEMMs averaging at least 128 tokens an
-    /// expert on 128-token rounded tiles (`ops::gemm::grouped_bn`, the `_n128_wgr` kernels).
+    /// expert and the dense Q4 GEMMs whose 128-token grid fills the SMs on 128-token rounded
+    /// tiles (`ops::gemm::grouped_bn`, `ops::gemm::dense_bn`; the `_n128_wgr` kernels).
     pub gemm_wg128: bool,
     /// Q4 GEMMs with each warp's weights loaded straight into registers (`ops::gemm::gemm_ld`,
     /// the `_ld` kernels: the experts' 8-token tiles, dense 32-token tiles split in clusters);

@@ -536,8 +536,10 @@ fn gemm_wgmma_matches_mma_sync() {
 /// dequantised to bf16 once, the whole K accumulated by the tensor cores) against the CPU on the
 /// same bf16 weights (s · q + b rounded once) and bf16-rounded inputs ("strict": only the
 /// accumulation order differs) and on the exact 4-bit weights ("loose"), one pass and split-K,
-/// at token counts whose last tile takes each wgmma width. A GEMM that is bit for bit the exact kernels' did not take a 64-token
-/// tile (only the strict check is skipped); the long ones must take it.
+/// at token counts whose last tile takes each wgmma width, and the 128-token rounded tiles
+/// (`Tuning::gemm_wg128`) against the 64-token ones. A GEMM that is bit for bit the exact
+/// kernels' did not take a 64-token tile (only the strict check is skipped); the long ones must
+/// take it.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_wg_round_matches_rounded_weights() {
@@ -547,6 +549,7 @@ fn gemm_wg_round_matches_rounded_weights() {
         return;
     }
     let r = g.with_tuning(&orchid_cuda::Tuning { gemm_wg_round: true, ..Default::default() }).unwrap();
+    let r128 = g.with_tuning(&orchid_cuda::Tuning { gemm_wg_round: true, gemm_wg128: true, ..Default::default() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(43);
     for &(k, n) in &[(2048usize, 1024usize), (512, 2048), (1024, 640)] {
@@ -573,6 +576,9 @@ fn gemm_wg_round_matches_rounded_weights() {
                 }
                 report(&format!("wg rounded vs exact weights, {parts} K parts {tag}"), rel_l2(&a, &loose.data), 1e-2);
             }
+            // 128-token tiles where the grid fills the SMs (the long GEMMs): the same sums.
+            let w128 = gemm_parts(&r128, &rw, None, &xp, t, 1);
+            report(&format!("wg rounded 128-token tiles vs 64 {tag}"), rel_l2(&w128, &gemm_parts(&r, &rw, None, &xp, t, 1)), 1e-6);
         }
     }
 }

@@ -190,6 +190,16 @@ pub fn gemm_bn_dense(fmt: WFormat, t: usize, row_blocks: usize, sms: usize) -> u
     bn
 }
 
+/// Token-tile width of a dense GEMM in one pass: `gemm_bn_dense`, or 128 for Q4 where
+/// `Tuning::gemm_wg128` asks for the rounded 128-token tiles, they run here and the grid of
+/// 128-token tiles still has a block for every SM (one block per SM at that width).
+pub fn dense_bn(c: &Ctx, fmt: WFormat, t: usize, row_blocks: usize) -> usize {
+    let sms = c.gpu.sms as usize;
+    let bn = gemm_bn_dense(fmt, t, row_blocks, sms);
+    let wide = c.tuning.gemm_wg128 && bn == 64 && t > 64 && row_blocks * t.div_ceil(128) >= sms && gemm_wgmma(c, fmt, 128);
+    if wide { 128 } else { bn }
+}
+
 /// cp.async pipeline stages of each GEMM kernel (kernels/gemm.cu `GemmCfg::STAGES`): Q4 BN 32/64
 /// and bf16 BN 64 stay within 113 KB (two blocks per SM), the others within 227 KB (one block).
 pub fn gemm_stages(fmt: WFormat, bn: usize) -> usize {
@@ -570,7 +580,7 @@ fn gemm_launch(
     let bn = match &grouped {
         Some(g) => g.bn,
         None if kparts > 1 => gemm_bn(w.fmt, t, None),
-        None => gemm_bn_dense(w.fmt, t, gx, c.gpu.sms as usize),
+        None => dense_bn(c, w.fmt, t, gx),
     };
     if !(matches!(bn, 32 | 64 | 128) || (bn == 8 && w.fmt == WFormat::Q4 && grouped.is_some())) {
         return Err(Error::Op { op: "gemm", msg: format!("token tile {bn} (32, 64 or 128; 8 for grouped Q4)") });
