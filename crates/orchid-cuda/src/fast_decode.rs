@@ -28,10 +28,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use orchid_model::Model;
-use orchid_model::backend::StateOptions;
+use orchid_model::backend::{StateOptions, StatePool};
 use orchid_model::error::{Error, Result};
 use orchid_model::fast_decode::{DecodeStep, DeviceSampling, FastDecode, LateInputs, Sampled};
+use orchid_model::{BatchLayout, LogitRows, Model};
 
 use crate::CudaBackend;
 use crate::batch_graph::{BatchGraph, BatchRow, bucket_for};
@@ -39,6 +39,25 @@ use crate::driver::DevBuf;
 use crate::ops::logprobs::LOGPROB_TOP;
 use crate::ops::sampling::SampleParams;
 use crate::state::CudaState;
+
+/// Tokens of the prompt `warm_up` runs (a prompt's size in the serving benchmark and more).
+const WARM_PROMPT: usize = 1024;
+
+/// A prompt of `WARM_PROMPT` tokens through `Model::forward` on a scratch slot (its own small
+/// state, in the memory the engine's state leaves): the prompt kernels' first launches and the
+/// allocator's first growth happen at start, not in the first request's time to first token.
+fn warm_prompt(model: &Model<CudaBackend>) -> Result<()> {
+    let n = WARM_PROMPT;
+    let opts = StateOptions { memory_utilization: 1.0, ..StateOptions::new(1, n + crate::state::KV_BLOCK) };
+    let mut scratch = model.new_state(opts)?;
+    let slot = scratch.alloc().ok_or_else(|| Error::Op { op: "warm-up", msg: "no slot in a scratch state".into() })?;
+    let vocab = model.config.vocab_size.max(1);
+    let ids: Vec<u32> = (0..n).map(|i| (i * 7919 % vocab) as u32).collect();
+    model.forward(&ids, &BatchLayout::single(slot, 0, n), &mut scratch, LogitRows::LastOfEachSpan)?;
+    drop(scratch);
+    // Done before the engine reports ready, so that no request waits for it.
+    model.backend.gpu().synchronize()
+}
 
 /// What a batch graph is captured for: its bucket, the slot a one-row graph is pinned to, and
 /// whether it samples greedily.
@@ -133,7 +152,7 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
 
     /// The greedy graphs of the largest bucket (first: its arena serves every bucket), of every
     /// smaller bucket (a first burst of users then captures nothing; 7–40 ms each) and of one row
-    /// in slot 0 (the slot a lone request gets).
+    /// in slot 0 (the slot a lone request gets); then `warm_prompt`.
     fn warm_up(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, max_rows: usize) -> Result<()> {
         self.max_rows = self.max_rows.max(max_rows);
         let largest = bucket_for(self.max_rows);
@@ -142,7 +161,11 @@ impl FastDecode<CudaBackend> for GraphFastDecode {
             self.capture(model, state, ((rows, None), true))?;
             rows /= 2;
         }
-        self.capture(model, state, ((1, Some(0)), true))
+        self.capture(model, state, ((1, Some(0)), true))?;
+        if let Err(e) = warm_prompt(model) {
+            tracing::warn!("warm-up prompt failed ({e}); the first request's prompt pays its first launches");
+        }
+        Ok(())
     }
 
     fn prepare(&mut self, model: &Model<CudaBackend>, state: &mut CudaState, slot: usize, sampling: &DeviceSampling) -> Result<()> {
