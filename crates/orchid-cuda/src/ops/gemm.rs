@@ -409,22 +409,38 @@ pub fn gemm_concat(c: &Ctx, w: &GpuLinear, w2: &GpuLinear, x: &GemmX, t: usize, 
 fn gemm_pick(c: &Ctx, fmt: WFormat, pair: bool, bn: usize, cluster: bool, grouped: bool, concat: bool, ksteps: usize) -> (String, usize) {
     let wg = gemm_wgmma(c, fmt, bn);
     let ld = if grouped || (!pair && !concat) { gemm_ld(c, fmt, bn, grouped, cluster, ksteps) } else { None };
-    let name = gemm_kernel(fmt, pair, bn, cluster, wg, ld.is_some());
-    let name = if wg && gemm_wg_round(c) { name + "r" } else { name };
-    (name, ld.unwrap_or_else(|| gemm_smem(fmt, bn, wg)))
+    let form = match (wg, gemm_wg_round(c)) {
+        (false, _) => Wg::MmaSync,
+        (true, false) => Wg::Exact,
+        (true, true) => Wg::Rounded,
+    };
+    (gemm_kernel(fmt, pair, bn, cluster, form, ld.is_some()), ld.unwrap_or_else(|| gemm_smem(fmt, bn, wg)))
+}
+
+/// The tensor-core form of a GEMM kernel: mma.sync, warpgroup MMA with the exact scale step
+/// (`_wg`) or with the weights rounded to bf16 (`_wgr`, `gemm_wg_round`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Wg {
+    MmaSync,
+    Exact,
+    Rounded,
 }
 
 /// The GEMM kernel of a format, gate/up pair or not, token tile, split-K form (`cluster`: the
 /// _kc kernels, whose K parts are summed in the kernel's epilogue, which writes `out` as one pass
-/// would), tensor-core instruction (`wg`: warpgroup MMA, `gemm_wgmma`) and weight path (`ld`:
+/// would), tensor-core form (`wg`, `Wg`: `gemm_wgmma`, `gemm_wg_round`) and weight path (`ld`:
 /// straight into registers, `gemm_direct`).
-fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool, wg: bool, ld: bool) -> String {
+fn gemm_kernel(fmt: WFormat, pair: bool, bn: usize, cluster: bool, wg: Wg, ld: bool) -> String {
     format!(
         "gemm_{}{}_n{bn}{}{}{}",
         if fmt == WFormat::Q4 { "q4" } else { "bf16" },
         if pair { "_pair" } else { "" },
         if cluster { "_kc" } else { "" },
-        if wg { "_wg" } else { "" },
+        match wg {
+            Wg::MmaSync => "",
+            Wg::Exact => "_wg",
+            Wg::Rounded => "_wgr",
+        },
         if ld { "_ld" } else { "" }
     )
 }
@@ -703,11 +719,12 @@ mod tests {
         assert_eq!((gemm_bn(WFormat::Q4, 512, Some(2)), gemm_bn(WFormat::Bf16, 512, Some(2))), (8, 32));
         assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
         assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
-        assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true, false, false), "gemm_q4_pair_n32_kc");
-        assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, false, false), "gemm_bf16_n128");
-        assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, true, false), "gemm_q4_pair_n64_kc_wg");
-        assert_eq!(gemm_kernel(WFormat::Q4, true, 8, false, false, true), "gemm_q4_pair_n8_ld");
-        assert_eq!(gemm_kernel(WFormat::Q4, false, 32, true, false, true), "gemm_q4_n32_kc_ld");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true, Wg::MmaSync, false), "gemm_q4_pair_n32_kc");
+        assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, Wg::MmaSync, false), "gemm_bf16_n128");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, Wg::Exact, false), "gemm_q4_pair_n64_kc_wg");
+        assert_eq!(gemm_kernel(WFormat::Q4, false, 128, false, Wg::Rounded, false), "gemm_q4_n128_wgr");
+        assert_eq!(gemm_kernel(WFormat::Q4, true, 8, false, Wg::MmaSync, true), "gemm_q4_pair_n8_ld");
+        assert_eq!(gemm_kernel(WFormat::Q4, false, 32, true, Wg::MmaSync, true), "gemm_q4_n32_kc_ld");
         // The _ld kernels' token rows: the experts' K (2,048 and 512) fit four blocks per SM,
         // 4,096 does not (the pipelined kernel takes it); a dense 32-token K part of 4 k-steps
         // (the split projections' 512 columns) fits two.
