@@ -65,7 +65,7 @@ struct GemmCfg {
     static constexpr int B_OFF = WG ? 0 : A_BYTES;
     static constexpr int X_OFF = A_BYTES + B_BYTES;
     static constexpr int STAGE = WG ? (A_BYTES + B_BYTES + BN * 2 * 4 + 1023) / 1024 * 1024 : A_BYTES + B_BYTES + BN * 2 * 4;
-    static constexpr int STAGES = WG ? 4 : FMT == FMT_Q4 ? (BN <= 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
+    static constexpr int STAGES = FMT == FMT_Q4 ? (BN <= 32 ? 6 : BN == 64 ? 4 : 5) : (BN == 32 ? 4 : BN == 64 ? 2 : 3);
     // Warps along the tokens: the 8 warps are (8 / WN) (rows) x WN (tokens). Q4 BN 32: 8 x 1,
     // each warp 16 rows x all the block's tokens, so each 4-bit A fragment is dequantised once
     // per block; Q4 BN 64: 4 x 2 (each fragment twice, half the B-tile reads per warp; WG: 8 x
@@ -86,7 +86,6 @@ static_assert(GemmCfg<FMT_BF16, 32>::SMEM == 175104, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 64>::SMEM == 105472, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_BF16, 128>::SMEM == 211968, "ops::gemm_smem");
 static_assert(GemmCfg<FMT_Q4, 64, true>::SMEM == 107520, "ops::gemm_smem");
-static_assert(GemmCfg<FMT_Q4, 128, true>::SMEM == 173056, "ops::gemm_smem");
 
 // x f32 [rows, ldx] -> xb bf16 [rows, kpad] (zero for k >= K) and xs f32 [rows, kpad/64], the sum
 // of each 64-group's rounded values (4-element sums, then a 16-lane shuffle tree: the order of the
@@ -352,30 +351,12 @@ DEVI void wgmma_n64(float (&d)[32], const u32 (&a)[4], u64 desc) {
     __trap();
 #endif
 }
-template <bool ACC>
-DEVI void wgmma_n128(float (&d)[64], const u32 (&a)[4], u64 desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (ACC)
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-    else
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 0, 1, 1, 0;\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-#else
-    __trap();
-#endif
-}
 // d = a · b (ACC false: the first k16 slice of a group) or d += a · b, 64 rows by NL tokens.
 template <int NL, bool ACC>
 DEVI void wgmma_q4(float (&d)[NL / 2], const u32 (&a)[4], u64 desc) {
     if constexpr (NL == 16) wgmma_n16<ACC>(d, a, desc);
     else if constexpr (NL == 32) wgmma_n32<ACC>(d, a, desc);
-    else if constexpr (NL == 64) wgmma_n64<ACC>(d, a, desc);
-    else wgmma_n128<ACC>(d, a, desc);
+    else wgmma_n64<ACC>(d, a, desc);
 }
 
 // One Q4 k-step of a warp of the _wg kernels: tot[0][n] += the products of tile rows row0 + g,
@@ -899,8 +880,7 @@ DEVI void gemm_body(const GemmArgs& a) {
             }
         };
         if constexpr (WR) {
-            if (BN == 128 && count > 64) main_loop(IntC<BN>{});
-            else if (count > 32) main_loop(IntC<64>{});
+            if (count > 32) main_loop(IntC<64>{});
             else if (count > 16) main_loop(IntC<32>{});
             else main_loop(IntC<16>{});
         } else {
@@ -1085,11 +1065,6 @@ GEMM_KERNEL_WGR(gemm_q4_n64_wgr, 64, false, false)
 GEMM_KERNEL_WGR(gemm_q4_pair_n64_wgr, 64, true, false)
 GEMM_KERNEL_WGR(gemm_q4_n64_kc_wgr, 64, false, true)
 GEMM_KERNEL_WGR(gemm_q4_pair_n64_kc_wgr, 64, true, true)
-// The 128-token tile (rounded only; one block of 173 KB per SM).
-#define GEMM_KERNEL_WGR128(name, PAIR) \
-    extern "C" __global__ void __launch_bounds__(256, 1) name(const GemmArgs a) { gemm_body<FMT_Q4, 128, PAIR, false, true, false, true>(a); }
-GEMM_KERNEL_WGR128(gemm_q4_n128_wgr, false)
-GEMM_KERNEL_WGR128(gemm_q4_pair_n128_wgr, true)
 
 // Split-K reduction: out[n, m] = Σ_z part[z][n][m] for m < M, summed in the order z = 0, 1, ...,
 // kparts − 1 (so every run gives the same bits), then out[n, m] + that sum where acc (a residual

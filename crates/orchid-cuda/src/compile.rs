@@ -102,8 +102,6 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gemm_q4_pair_n64_wgr",
             "gemm_q4_n64_kc_wgr",
             "gemm_q4_pair_n64_kc_wgr",
-            "gemm_q4_n128_wgr",
-            "gemm_q4_pair_n128_wgr",
             "gemm_xprep",
             "gemm_xprep_norm",
             "gemm_splitk_reduce",

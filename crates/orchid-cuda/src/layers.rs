@@ -9,7 +9,7 @@ use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
-use crate::ops::gemm::{AltExpert, GemmX, Grouped, gemm, gemm_concat, gemm_pair_x, gemm_x, grouped_bn, matmul, matmul_x};
+use crate::ops::gemm::{AltExpert, GemmX, Grouped, gemm, gemm_bn, gemm_concat, gemm_pair_x, gemm_x, matmul, matmul_x};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv, use_gemv};
 use crate::ops::moe_decode::{
     FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_route_up_rows, moe_up_rows,
@@ -524,7 +524,7 @@ pub fn moe_into(
         }
     }
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
-    let bn = grouped_bn(c, w.experts.gate.fmt, t * k, t * k / e);
+    let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e)).max(c.tuning.grouped_bn_min);
     // Batched decode: the lists in one block (fewer launches), the shared expert listed as
     // expert e of the grouped GEMMs where its weights have an expert's shape (no GEMMs of its
     // own); prompt chunks: over many blocks, the shared expert as dense GEMMs.

@@ -165,14 +165,6 @@ pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
     }
 }
 
-/// Token-tile width of the experts' grouped GEMM of `listed` assignments averaging `avg` a
-/// expert: `gemm_bn`, at least `Tuning::grouped_bn_min`, and 128 for Q4 experts averaging 128 or
-/// more where `Tuning::gemm_wg128` asks for the rounded 128-token tiles and they run here.
-pub fn grouped_bn(c: &Ctx, fmt: WFormat, listed: usize, avg: usize) -> usize {
-    let bn = gemm_bn(fmt, listed, Some(avg)).max(c.tuning.grouped_bn_min);
-    if c.tuning.gemm_wg128 && avg >= 128 && gemm_wgmma(c, fmt, 128) { 128 } else { bn }
-}
-
 /// Token-tile width of a dense GEMM with `row_blocks` blocks along the weight rows: `gemm_bn`,
 /// halved (down to 32) while the grid has fewer blocks than the GPU has SMs, so that small
 /// GEMMs spread over more SMs (the sums and their order do not depend on the tile width; the
@@ -190,16 +182,6 @@ pub fn gemm_bn_dense(fmt: WFormat, t: usize, row_blocks: usize, sms: usize) -> u
     bn
 }
 
-/// Token-tile width of a dense GEMM in one pass: `gemm_bn_dense`, or 128 for Q4 where
-/// `Tuning::gemm_wg128` asks for the rounded 128-token tiles, they run here and the grid of
-/// 128-token tiles still has a block for every SM (one block per SM at that width).
-pub fn dense_bn(c: &Ctx, fmt: WFormat, t: usize, row_blocks: usize) -> usize {
-    let sms = c.gpu.sms as usize;
-    let bn = gemm_bn_dense(fmt, t, row_blocks, sms);
-    let wide = c.tuning.gemm_wg128 && bn == 64 && t > 64 && row_blocks * t.div_ceil(128) >= sms && gemm_wgmma(c, fmt, 128);
-    if wide { 128 } else { bn }
-}
-
 /// cp.async pipeline stages of each GEMM kernel (kernels/gemm.cu `GemmCfg::STAGES`): Q4 BN 32/64
 /// and bf16 BN 64 stay within 113 KB (two blocks per SM), the others within 227 KB (one block).
 pub fn gemm_stages(fmt: WFormat, bn: usize) -> usize {
@@ -215,14 +197,14 @@ pub fn gemm_stages(fmt: WFormat, bn: usize) -> usize {
 
 /// Dynamic shared memory of a GEMM kernel: its stages (weights, token rows, group sums per
 /// k-step), or the epilogue's C tile if larger (kernels/gemm.cu `GemmCfg::SMEM`). `wg` (the
-/// `_wg` kernels): unpadded token rows, four stages of whole KB and 1 KB to align the first.
+/// `_wg` kernels): unpadded token rows, stages of whole KB and 1 KB to align the first.
 pub fn gemm_smem(fmt: WFormat, bn: usize, wg: bool) -> usize {
     let a = match fmt {
         WFormat::Q4 => 128 * 64 + 128 * 8,
         WFormat::Bf16 => 128 * 136 * 2,
     };
     let main = if wg {
-        4 * (a + bn * 256 + bn * 2 * 4).next_multiple_of(1024) + 1024
+        gemm_stages(fmt, bn) * (a + bn * 256 + bn * 2 * 4).next_multiple_of(1024) + 1024
     } else {
         gemm_stages(fmt, bn) * (a + bn * 136 * 2 + bn * 2 * 4)
     };
@@ -231,10 +213,10 @@ pub fn gemm_smem(fmt: WFormat, bn: usize, wg: bool) -> usize {
 
 /// Whether a GEMM of this format and token tile runs on the warpgroup-MMA kernels (`_wg`): Q4
 /// 64-token tiles on compute capability 9.0 (sm_90a's wgmma), unless `Tuning::gemm_wgmma` is off.
-/// Each output is the same sum of the same mma and scale steps in the same order as in the
-/// mma.sync kernels (kernels/gemm.cu, "warpgroup MMA").
+/// In their exact form (`gemm_wg_round` off) each output is the same sum of the same mma and
+/// scale steps in the same order as in the mma.sync kernels (kernels/gemm.cu, "warpgroup MMA").
 pub fn gemm_wgmma(c: &Ctx, fmt: WFormat, bn: usize) -> bool {
-    c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && (bn == 64 || (bn == 128 && gemm_wg_round(c)))
+    c.tuning.gemm_wgmma && c.gpu.cc == (9, 0) && fmt == WFormat::Q4 && bn == 64
 }
 
 /// Whether the `_wg` GEMMs run in their rounded form (`_wgr`, `Tuning::gemm_wg_round`): each
@@ -596,7 +578,7 @@ fn gemm_launch(
     let bn = match &grouped {
         Some(g) => g.bn,
         None if kparts > 1 => gemm_bn(w.fmt, t, None),
-        None => dense_bn(c, w.fmt, t, gx),
+        None => gemm_bn_dense(w.fmt, t, gx, c.gpu.sms as usize),
     };
     if !(matches!(bn, 32 | 64 | 128) || (bn == 8 && w.fmt == WFormat::Q4 && grouped.is_some())) {
         return Err(Error::Op { op: "gemm", msg: format!("token tile {bn} (32, 64 or 128; 8 for grouped Q4)") });
@@ -722,7 +704,7 @@ mod tests {
         assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true, Wg::MmaSync, false), "gemm_q4_pair_n32_kc");
         assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, Wg::MmaSync, false), "gemm_bf16_n128");
         assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, Wg::Exact, false), "gemm_q4_pair_n64_kc_wg");
-        assert_eq!(gemm_kernel(WFormat::Q4, false, 128, false, Wg::Rounded, false), "gemm_q4_n128_wgr");
+        assert_eq!(gemm_kernel(WFormat::Q4, false, 64, false, Wg::Rounded, false), "gemm_q4_n64_wgr");
         assert_eq!(gemm_kernel(WFormat::Q4, true, 8, false, Wg::MmaSync, true), "gemm_q4_pair_n8_ld");
         assert_eq!(gemm_kernel(WFormat::Q4, false, 32, true, Wg::MmaSync, true), "gemm_q4_n32_kc_ld");
         // The _ld kernels' token rows: the experts' K (2,048 and 512) fit four blocks per SM,
@@ -736,8 +718,6 @@ mod tests {
         // Shared memory per kernel: the same numbers as the static_asserts in kernels/gemm.cu.
         let smem = |f, bn| gemm_smem(f, bn, false);
         assert_eq!(gemm_smem(WFormat::Q4, 64, true), 107520); // 4 stages of 26 KB + 1 KB
-        assert_eq!(gemm_smem(WFormat::Q4, 128, true), 173056); // 4 stages of 42 KB + 1 KB: one block per SM
-        assert!(gemm_smem(WFormat::Q4, 128, true) <= 227 * 1024);
         assert_eq!(smem(WFormat::Q4, 8), 68736); // 6 stages
         assert_eq!(smem(WFormat::Q4, 32), 109056); // 6 stages
         assert_eq!(smem(WFormat::Q4, 64), 108544); // 4 stages

@@ -77,7 +77,6 @@ pub fn cuda_options() -> &'static orchid_cuda::CudaOptions {
                 gemm_each_wave: tune("GEMM_EACH_WAVE", t.gemm_each_wave as usize) != 0,
                 gemm_wgmma: tune("GEMM_WGMMA", t.gemm_wgmma as usize) != 0,
                 gemm_wg_round: tune("GEMM_WG_ROUND", t.gemm_wg_round as usize) != 0,
-                gemm_wg128: tune("GEMM_WG128", t.gemm_wg128 as usize) != 0,
                 gemm_direct: tune("GEMM_DIRECT", t.gemm_direct as usize) != 0,
                 gdn_scan_tc: tune("GDN_SCAN_TC", t.gdn_scan_tc as usize) != 0,
                 gdn_scan_wide: tune("GDN_SCAN_WIDE", t.gdn_scan_wide as usize) != 0,
