@@ -7,7 +7,10 @@
 //! - f32 kernels (norms, elementwise, embedding, GDN): 1e-5 .. 2e-3 (summation order; the GDN
 //!   chunked solve amplifies rounding a little).
 //! - matmuls against the CPU run on bf16-rounded inputs ("strict"): 1e-4 (only accumulation
-//!   order differs: the 4-bit weights and bf16 operands are exact in both);
+//!   order differs: the 4-bit weights and bf16 operands are exact in both). These tests run the
+//!   prompt GEMMs in their exact form (`exact_gpu`); the default rounded form (each 4-bit weight
+//!   dequantised to bf16) is held to the CPU on the same rounded weights
+//!   (`gemm_wg_round_matches_rounded_weights`) and to the MoE tolerance;
 //!   against the CPU on f32 inputs ("loose"): 1e-2 (bf16 rounding of activations, ≤ 2^-9
 //!   relative per element, ≈ 2e-3 RMS on a dot product).
 //! - attention: 1.5e-2 (q, K and V in bf16 as in HF, probabilities rounded to bf16 for P·V).
@@ -28,6 +31,17 @@ const TS: [usize; 6] = [1, 63, 64, 65, 127, 4097];
 /// The shared backend, synchronising after every launch.
 fn gpu() -> CudaBackend {
     gpu_with(orchid_cuda::CudaOptions { sync_check: true, ..options() })
+}
+
+/// Tuning with the 64-token Q4 GEMMs in their exact form (`Tuning::gemm_wg_round` off): each
+/// output the CPU's sum over the exact 4-bit weights, in the mma.sync kernels' bits.
+fn exact() -> orchid_cuda::Tuning {
+    orchid_cuda::Tuning { gemm_wg_round: false, ..Default::default() }
+}
+
+/// The shared backend with `exact()`.
+fn exact_gpu() -> CudaBackend {
+    gpu().with_tuning(&exact()).unwrap()
 }
 
 fn up(g: &CudaBackend, rows: usize, cols: usize, v: &[f32]) -> CudaTensor {
@@ -78,7 +92,7 @@ fn norms_elementwise_embed() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_q4_and_bf16() {
-    let g = gpu();
+    let g = exact_gpu();
     let c = CpuBackend::new();
     let mut rng = Rng::new(2);
     // (256, 60001): more tiles than one wave holds, so the matvec streams (gemv_stream_body).
@@ -225,8 +239,8 @@ fn gemm_each_wave_equals_split() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_split_k() {
-    let g = gpu();
-    let red = g.with_tuning(&orchid_cuda::Tuning { splitk_cluster: false, ..Default::default() }).unwrap();
+    let g = exact_gpu();
+    let red = g.with_tuning(&orchid_cuda::Tuning { splitk_cluster: false, ..exact() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(12);
     let shapes = [(2048usize, 2048usize), (4096, 520), (2048, 1001), (1024, 64)];
@@ -322,7 +336,7 @@ fn gemm_x_norm_equals_norm_then_prep() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_pair_split_k() {
-    let g = gpu();
+    let g = exact_gpu();
     let c = CpuBackend::new();
     let mut rng = Rng::new(13);
     for &(k, n) in &[(2048usize, 512usize), (2048, 1001)] {
@@ -496,12 +510,12 @@ fn gemm_pair_x_equals_pair_then_prep() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_wgmma_matches_mma_sync() {
-    let g = gpu().with_tuning(&orchid_cuda::Tuning { gemm_wg_round: false, ..Default::default() }).unwrap();
+    let g = exact_gpu();
     if !gemm::gemm_wgmma(&g.ctx, orchid_cuda::weights::WFormat::Q4, 64) {
         println!("no warpgroup MMA on this GPU: nothing to compare");
         return;
     }
-    let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..Default::default() }).unwrap();
+    let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..exact() }).unwrap();
     let mut rng = Rng::new(37);
     for &(k, n) in &[(2048usize, 1024usize), (512, 2048), (1024, 640)] {
         let (wg, wu) = (linear(&mut rng, n, k, Fmt::Mlx, 4), linear(&mut rng, n, k, Fmt::Mlx, 4));
@@ -542,7 +556,7 @@ fn gemm_wgmma_matches_mma_sync() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_wg_round_matches_rounded_weights() {
-    let g = gpu().with_tuning(&orchid_cuda::Tuning { gemm_wg_round: false, ..Default::default() }).unwrap();
+    let g = exact_gpu();
     if !gemm::gemm_wgmma(&g.ctx, orchid_cuda::weights::WFormat::Q4, 64) {
         println!("no warpgroup MMA on this GPU: nothing to compare");
         return;
@@ -555,6 +569,9 @@ fn gemm_wg_round_matches_rounded_weights() {
         let hw = affine(n, k, &v, 4);
         let (gw, rw) = (g.upload_linear(&hw).unwrap(), r.upload_linear(&hw).unwrap());
         let (cexact, crounded) = (c.upload_linear(&hw).unwrap(), c.upload_linear(&dense_bf16(n, k, &round_bf16(&hw.to_f32()))).unwrap());
+        // The gate/up pair's up weights (silu(gate) · up in the epilogue).
+        let hu = affine(n, k, &rng.vec(n * k, (3.0 / k as f32).sqrt()), 4);
+        let (ru, cu) = (r.upload_linear(&hu).unwrap(), c.upload_linear(&dense_bf16(n, k, &round_bf16(&hu.to_f32()))).unwrap());
         for &t in &[64usize, 90, 1100, 1120, 1130] {
             let tag = format!("T={t} K={k} N={n}");
             let x = rng.vec(t * k, 1.0);
@@ -568,6 +585,9 @@ fn gemm_wg_round_matches_rounded_weights() {
                 let rounded = a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits());
                 if rounded {
                     report(&format!("wg rounded vs CPU on bf16 weights, {parts} K parts {tag}"), rel_l2(&a, &strict.data), 1e-4);
+                    let pair = gemm_parts(&r, &rw, Some(&ru), &xp, t, parts);
+                    let want = c.silu_mul(&strict, &c.matmul(&xr, &cu).unwrap()).unwrap();
+                    report(&format!("wg rounded pair vs CPU on bf16 weights, {parts} K parts {tag}"), rel_l2(&pair, &want.data), 1e-4);
                 } else {
                     println!("  {parts} K parts {tag}: not on a 64-token tile");
                     assert!(t < 1000, "{tag}: a long GEMM took no rounded 64-token tile");
@@ -1479,17 +1499,18 @@ fn moe_route_chain_lists_across_chunks() {
 #[ignore = "needs a CUDA GPU"]
 #[allow(clippy::type_complexity)]
 fn moe_routing_and_experts() {
-    let g = gpu();
+    // The kernels' algebra on the exact form; the default rounded form against the CPU.
+    let (g, rounded) = (exact_gpu(), gpu());
     // The shared expert through GEMMs of its own instead of listed in the grouped ones.
-    let own = g.with_tuning(&orchid_cuda::Tuning { shared_grouped: false, ..Default::default() }).unwrap();
+    let own = g.with_tuning(&orchid_cuda::Tuning { shared_grouped: false, ..exact() }).unwrap();
     // The experts' GEMMs without the 8-token tile (32 tokens at least).
-    let wide = g.with_tuning(&orchid_cuda::Tuning { grouped_bn_min: 32, ..Default::default() }).unwrap();
+    let wide = g.with_tuning(&orchid_cuda::Tuning { grouped_bn_min: 32, ..exact() }).unwrap();
     // The 64-token tiles on mma.sync instead of warpgroup MMA.
-    let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..Default::default() }).unwrap();
+    let mma = g.with_tuning(&orchid_cuda::Tuning { gemm_wgmma: false, ..exact() }).unwrap();
     // The 8-token tiles' weights through the cp.async pipeline instead of straight into registers.
-    let pipe = g.with_tuning(&orchid_cuda::Tuning { gemm_direct: false, ..Default::default() }).unwrap();
+    let pipe = g.with_tuning(&orchid_cuda::Tuning { gemm_direct: false, ..exact() }).unwrap();
     // Every MoE block on the GEMM path preparing the next block's input in its combine.
-    let fused = g.with_tuning(&orchid_cuda::Tuning { combine_norm_min: 0, ..Default::default() }).unwrap();
+    let fused = g.with_tuning(&orchid_cuda::Tuning { combine_norm_min: 0, ..exact() }).unwrap();
     let c = CpuBackend::new();
     let mut rng = Rng::new(6);
     // (E, k, H, I, Is, T list)
@@ -1529,6 +1550,8 @@ fn moe_routing_and_experts() {
             let co = c.moe(&CpuTensor::from_vec(t, h, round_bf16(&x)), &cw, &cfg.moe).unwrap();
             let go = host(&g, &g.moe(&up(&g, t, h, &x), &gw, &cfg.moe).unwrap());
             report(&format!("moe E={e} k={k} H={h} I={i} Is={is} T={t}"), rel_l2(&go, &co.data), 1e-2);
+            let ro = host(&rounded, &rounded.moe(&up(&rounded, t, h, &x), &gw, &cfg.moe).unwrap());
+            report(&format!("moe rounded prompt GEMMs E={e} k={k} H={h} I={i} Is={is} T={t}"), rel_l2(&ro, &co.data), 1e-2);
             // Only the shared expert's sums differ (one pass against split-K parts), and the
             // bf16 rounding of its activations where that moves them across a rounding step.
             let oo = host(&own, &own.moe(&up(&own, t, h, &x), &gw, &cfg.moe).unwrap());
