@@ -413,8 +413,9 @@ DEVI void q4_kstep_wg(float (&tot)[1][BN / 8][4], u32 As, u32 Bs, u32 Xs, int ro
 
 // The _wgr kernels (Tuning::gemm_wg_round): each 4-bit weight dequantised in registers to bf16,
 // w = s·q + b rounded once (as MLX's quantized matmul dequantises before its bf16 products), and
-// the tensor cores accumulate the whole K into tot: no per-group scale step, no group sums, no
-// wait inside the k-step (the main loop waits once per barrier). Same operand layouts as
+// the tensor cores accumulate the whole K into tot: no per-group scale step, no group sums. Each
+// wgmma group waits only for the group before it (two in flight: a group's dequantising overlaps
+// the last one's MMA); the main loop waits for all once per barrier. Same operand layouts as
 // q4_kstep_wg; the outputs differ from the exact form by the weights' bf16 rounding.
 DEVI u32 q4_dq(u32 qm, u32 s2, u32 b2) {
     u32 q, w;
@@ -842,18 +843,19 @@ DEVI void gemm_body(const GemmArgs& a) {
         // waits for its wgmma): k-steps kt and kt + 1 are computed while kt + 2 and kt + 3 load
         // into the stages kt − 2 and kt − 1 used (k-step k in stage k mod 4).
         static_assert(S == 4, "the _wg main loop pairs four stages");
-        // NL (WR only): the wgmma width of every k-step, chosen once for the block, so that the
-        // rounded form's accumulators stay in one wgmma shape across k-steps (mixing shapes on
-        // them made ptxas serialise every wgmma); 0: chosen per k-step.
+        // NL (WR only): the wgmma width of every k-step (the narrowest that holds the tile's
+        // tokens), chosen once for the block, so that the rounded form's accumulators stay in one
+        // wgmma shape across k-steps (mixing shapes on them made ptxas serialise every wgmma); 0:
+        // chosen per k-step.
         auto main_loop = [&](auto nl) {
             constexpr int NL = decltype(nl)::value;
             auto compute = [&](int stage) {
                 const u32 base = smem_u32(stages + stage * STAGE);
                 const u32 as = base + Cfg::A_OFF, bs = base + Cfg::B_OFF, xs = base + Cfg::X_OFF;
-                // The tile's tokens in the narrowest wgmma width that holds them (block-uniform).
                 if constexpr (NL > 0) {
                     q4_kstep_wgr<BN, NL>(tot, as, bs, row0, lane);
                 } else {
+                    // The tile's tokens in the narrowest wgmma width that holds them (block-uniform).
                     if (count > 32) q4_kstep_wg<BN, 64>(tot, as, bs, xs, row0, lane);
                     else if (count > 16) q4_kstep_wg<BN, 32>(tot, as, bs, xs, row0, lane);
                     else q4_kstep_wg<BN, 16>(tot, as, bs, xs, row0, lane);
