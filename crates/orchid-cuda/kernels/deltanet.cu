@@ -1007,6 +1007,7 @@ extern "C" __global__ void GDN_CLUSTER_DIMS __launch_bounds__(GDN_THREADS) gdn_d
 //   wts  [KC][nch]          conv weights of the head's channels (q, k of key head kh; v of head j)
 //   vals [nch]              conv + SiLU of the current row
 //   ocs  [dv]               pre-norm outputs of the current row
+//   qn   [dk], kn [dk]      its normalised q (with the 1/√dk scale) and k
 // with nch = 2·dk + dv and RB = KC·nch + dv + 2.
 
 static_assert(GDN_NBUF >= 2 && GDN_NBUF <= 6, "the stream ring waits with cp.async.wait_group 0..4");
@@ -1072,6 +1073,8 @@ DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
     float* wts = rowb + 2 * RB;
     float* vals = wts + KC * nch;
     float* ocs = vals + nch;
+    float* qn = ocs + dv;  // the row's q·(1/‖q‖)/√dk and k/‖k‖
+    float* kn = qn + dk;
     constexpr bool SREG = DKT > 0 && DVT > 0;  // the slice's state rows in registers (else in place)
     for (int t = tid; t < nr; t += GDN_THREADS) {
         const int r = y + t * G, slot = a.rows_slot ? ((const int*)a.rows_slot)[r] : 0;
@@ -1100,9 +1103,21 @@ DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
         const float* S = S0 + (i64)slot * a.rec_stride + sp * CW;
         float* dst = st + (k % GDN_NBUF) * SB;
         const int cq = CW / 4;  // 16-byte pieces per state row of the slice
-        for (int q = tid; q < dk * cq; q += GDN_THREADS) {
-            const int i = q / cq, e = 4 * (q % cq);
-            gdn_cp_async16_pol(dst + i * CW + e, S + (i64)i * dv + e, pol);
+        if constexpr (SREG) {
+            // Piece q = tid + p·GDN_THREADS is row i0 + p·PR, the thread's column e0 in every p:
+            // one base address a unit, the pieces at constant offsets.
+            constexpr int CQ = DVT / GDN_NS / 4, PR = GDN_THREADS / CQ;
+            static_assert(GDN_THREADS % CQ == 0 && DKT % PR == 0, "whole state rows per pass of the block");
+            const int i0 = tid / CQ, e0 = 4 * (tid % CQ);
+            const float* src = S + i0 * DVT + e0;
+            float* d = dst + i0 * (DVT / GDN_NS) + e0;
+#pragma unroll
+            for (int p = 0; p < DKT / PR; ++p) gdn_cp_async16_pol(d + p * PR * (DVT / GDN_NS), src + p * PR * DVT, pol);
+        } else {
+            for (int q = tid; q < dk * cq; q += GDN_THREADS) {
+                const int i = q / cq, e = 4 * (q % cq);
+                gdn_cp_async16_pol(dst + i * CW + e, S + (i64)i * dv + e, pol);
+            }
         }
         if (sp == 0) {
             const float* cs = (const float*)a.conv_state + (i64)slot * a.conv_stride + (i64)(sm.rpos[n] & 1) * (KC - 1) * C;
@@ -1192,9 +1207,13 @@ DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
             beta = 1.f / (1.f + expf(-bj));
             const float g = -expf(alog) * softplusf_(aj + dtb);
             alpha = expf(g);
+            // The normalised q and k once a row (the products gdn_decode_rows forms per use).
+            for (int i = tid; i < dk; i += GDN_THREADS) {
+                qn[i] = (q[i] * iq) * qs;
+                kn[i] = k[i] * ik;
+            }
+            __syncthreads();
         }
-        const float* q = vals;
-        const float* k = vals + dk;
         const float* v = vals + 2 * dk + sp * CW;
         float* buf = st + (u % GDN_NBUF) * SB + c;
         float s[GDN_MAXR];
@@ -1218,7 +1237,7 @@ DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
             const int i = rg + m * RG;
             if (act && i < dk) {
                 sv(m) *= alpha;
-                mem += (k[i] * ik) * sv(m);
+                mem += kn[i] * sv(m);
             }
         }
         sm.part[tid] = act ? mem : 0.f;
@@ -1235,16 +1254,17 @@ DEVI void gdn_stream_body(const GdnDecodeArgs& a, const GdnStreamSmem& sm) {
         for (int m = 0; m < GDN_MAXR; ++m) {
             const int i = rg + m * RG;
             if (act && i < dk) {
-                sv(m) += (k[i] * ik) * delta;
-                o += ((q[i] * iq) * qs) * sv(m);
+                sv(m) += kn[i] * delta;
+                o += qn[i] * sv(m);
             }
         }
         sm.part2[tid] = act ? o : 0.f;
-        float* Sd = (float*)a.state + (i64)slot * a.rec_stride + (i64)j * dk * dv + sp * CW + c;
+        // Row i = rg + m·RG at a constant offset from the thread's first (with the Qwen shape).
+        float* Sd = (float*)a.state + (i64)slot * a.rec_stride + (i64)j * dk * dv + (i64)rg * dv + sp * CW + c;
 #pragma unroll
         for (int m = 0; m < GDN_MAXR; ++m) {
             const int i = rg + m * RG;
-            if (act && i < dk) __stcs(Sd + (i64)i * dv, sv(m));
+            if (act && i < dk) __stcs(Sd + m * RG * dv, sv(m));
         }
         __syncthreads();
         // Threads tid < CW (row group 0) own the slice's output columns.

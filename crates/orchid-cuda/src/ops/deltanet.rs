@@ -302,11 +302,11 @@ pub enum RowsKernel {
 }
 
 /// Dynamic shared memory of `gdn_decode_rows_stream`: STREAM_BUFS state slices [dk][dv/DECODE_SPLIT],
-/// two row buffers (old conv window, x, z, b, a), the conv weights, a row's conv output and its
-/// pre-norm output, f32.
+/// two row buffers (old conv window, x, z, b, a), the conv weights, a row's conv output, its
+/// pre-norm output and its normalised q and k, f32.
 pub fn stream_smem(dk: usize, dv: usize, kc: usize) -> usize {
     let nch = 2 * dk + dv;
-    (STREAM_BUFS * dk * (dv / DECODE_SPLIT) + 2 * (kc * nch + dv + 2) + kc * nch + nch + dv) * 4
+    (STREAM_BUFS * dk * (dv / DECODE_SPLIT) + 2 * (kc * nch + dv + 2) + kc * nch + nch + dv + 2 * dk) * 4
 }
 
 /// Static shared memory of `gdn_decode_rows_stream`: partial sums, sums of squares, the rows'
@@ -424,10 +424,10 @@ mod tests {
 
     #[test]
     fn batched_decode_kernel_and_grid() {
-        // The 35B: four 16 KB state slices in flight, 89,648 B of shared memory in all: two
+        // The 35B: four 16 KB state slices in flight, 90,672 B of shared memory in all: two
         // blocks per SM (228 KB), so 8 blocks per value head fill one wave on 132 SMs.
-        assert_eq!(stream_smem(128, 128, 4), (4 * 128 * 32 + 2 * (4 * 384 + 130) + 4 * 384 + 384 + 128) * 4);
-        assert_eq!(stream_smem(128, 128, 4) + STREAM_STATIC_SMEM, 89_648);
+        assert_eq!(stream_smem(128, 128, 4), (4 * 128 * 32 + 2 * (4 * 384 + 130) + 4 * 384 + 384 + 128 + 256) * 4);
+        assert_eq!(stream_smem(128, 128, 4) + STREAM_STATIC_SMEM, 90_672);
         assert_eq!(stream_grid(64, 32, 132, 2), 8);
         assert_eq!(stream_grid(16, 32, 132, 2), 8);
         assert_eq!(stream_grid(3, 32, 132, 2), 3);
