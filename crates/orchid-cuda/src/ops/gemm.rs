@@ -151,13 +151,14 @@ fn kparts_of_rows(c: &Ctx, fmt: WFormat, row_blocks: usize, kpad: usize, t: usiz
 
 /// Token-tile width: 8 for Q4 groups of fewer than 8 tokens per expert on average (batched
 /// decode: a smaller stage, three blocks per SM instead of two), 32 for sparse groups (fewer than
-/// 32 tokens per expert on average: the tile's unused columns cost mma and staging work) and for
+/// 16 tokens per expert on average for Q4, whose 64-token tile is the warpgroup-MMA kernel, 32
+/// for bf16: the tile's unused columns cost mma and staging work) and for
 /// dense Q4 GEMMs of at most 32 tokens (the 64-token tile's second column of warps would hold no
 /// tokens), 64 for Q4 (register budget) and for short or grouped inputs, else 128.
 pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
     match grouped {
         Some(avg) if avg < 8 && fmt == WFormat::Q4 => 8,
-        Some(avg) if avg < 32 => 32,
+        Some(avg) if avg < 16 || (avg < 32 && fmt != WFormat::Q4) => 32,
         Some(_) => 64,
         None if fmt == WFormat::Q4 && t <= 32 => 32,
         None if fmt == WFormat::Q4 || t < 128 => 64,
@@ -698,6 +699,8 @@ mod tests {
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, None), 128);
         assert_eq!(gemm_bn(WFormat::Bf16, 4096, Some(128)), 64);
         assert_eq!(gemm_bn(WFormat::Q4, 4096, Some(8)), 32);
+        // A 512-token prompt's experts (16 tokens each on average) on the 64-token tiles.
+        assert_eq!((gemm_bn(WFormat::Q4, 4096, Some(16)), gemm_bn(WFormat::Bf16, 4096, Some(16))), (64, 32));
         assert_eq!((gemm_bn(WFormat::Q4, 512, Some(2)), gemm_bn(WFormat::Bf16, 512, Some(2))), (8, 32));
         assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
         assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
