@@ -9,7 +9,9 @@ use orchid_model::error::{Error, Result};
 
 use crate::driver::{DevBuf, copy_d2d};
 use crate::ops::elementwise::{silu_mul, zero_words};
-use crate::ops::gemm::{AltExpert, GemmX, Grouped, gemm, gemm_bn, gemm_concat, gemm_pair_x, gemm_x, matmul, matmul_x};
+use crate::ops::gemm::{
+    AltExpert, GemmX, Grouped, gemm, gemm_concat, gemm_pair_x, gemm_wg_round, gemm_wgmma, gemm_x, grouped_bn, matmul, matmul_x,
+};
 use crate::ops::gemv::{ROUTER_KPARTS, RouteEpi, gemv, use_gemv};
 use crate::ops::moe_decode::{
     FusedRoute, MoeDecode, can_fuse_route, moe_down, moe_down_rows, moe_route_up, moe_route_up_rows, moe_up_rows,
@@ -524,7 +526,8 @@ pub fn moe_into(
         }
     }
     let wts = DevBuf::alloc(gpu, t * k * 4)?;
-    let bn = gemm_bn(w.experts.gate.fmt, t * k, Some(t * k / e)).max(c.tuning.grouped_bn_min);
+    let fmt = w.experts.gate.fmt;
+    let bn = grouped_bn(fmt, t * k / e, gemm_wgmma(c, fmt, 64) && gemm_wg_round(c)).max(c.tuning.grouped_bn_min);
     // Batched decode: the lists in one block (fewer launches), the shared expert listed as
     // expert e of the grouped GEMMs where its weights have an expert's shape (no GEMMs of its
     // own); prompt chunks: over many blocks, the shared expert as dense GEMMs.

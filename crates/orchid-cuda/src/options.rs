@@ -81,7 +81,7 @@ pub struct Tuning {
     /// Split-K GEMMs sum their K parts inside the GEMM, as thread-block clusters
     /// (`ops::gemm::splitk_in_cluster`, where the GPU has them); false: a reduction kernel.
     pub splitk_cluster: bool,
-    /// Narrowest token tile of the experts' grouped GEMMs (8, 32 or 64; `ops::gemm::gemm_bn`
+    /// Narrowest token tile of the experts' grouped GEMMs (8, 32 or 64; `ops::gemm::grouped_bn`
     /// picks 8 for Q4 experts averaging fewer than 8 tokens).
     pub grouped_bn_min: usize,
     /// A block's input projections that share format and K in one split-K GEMM launch

@@ -149,20 +149,29 @@ fn kparts_of_rows(c: &Ctx, fmt: WFormat, row_blocks: usize, kpad: usize, t: usiz
     gemm_kparts(row_blocks, kpad / 128, split_min_ksteps(fmt), t, c.gpu.sms as usize, c.tuning.gemm_kparts_max)
 }
 
-/// Token-tile width: 8 for Q4 groups of fewer than 8 tokens per expert on average (batched
-/// decode: a smaller stage, three blocks per SM instead of two), 32 for sparse groups (fewer than
-/// 16 tokens per expert on average for Q4, whose 64-token tile is the warpgroup-MMA kernel, 32
-/// for bf16: the tile's unused columns cost mma and staging work) and for
-/// dense Q4 GEMMs of at most 32 tokens (the 64-token tile's second column of warps would hold no
-/// tokens), 64 for Q4 (register budget) and for short or grouped inputs, else 128.
-pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
-    match grouped {
-        Some(avg) if avg < 8 && fmt == WFormat::Q4 => 8,
-        Some(avg) if avg < 16 || (avg < 32 && fmt != WFormat::Q4) => 32,
-        Some(_) => 64,
-        None if fmt == WFormat::Q4 && t <= 32 => 32,
-        None if fmt == WFormat::Q4 || t < 128 => 64,
-        None => 128,
+/// Token-tile width of the experts' grouped GEMMs averaging `avg` tokens an expert: 8 for Q4
+/// groups of fewer than 8 (batched decode: a smaller stage, three blocks per SM instead of two),
+/// 32 for sparse groups of fewer than 32 (the tile's unused columns cost mma and staging work),
+/// 64 beyond; `round64`: Q4's 64-token tile is the rounded warpgroup-MMA kernel (`gemm_wgmma`,
+/// `gemm_wg_round`), which wins already from 16 tokens an expert (a 512-token prompt's experts;
+/// measured on it only, perf log, "the experts' tile at 16–31 tokens each").
+pub fn grouped_bn(fmt: WFormat, avg: usize, round64: bool) -> usize {
+    let q4 = fmt == WFormat::Q4;
+    match avg {
+        _ if avg < 8 && q4 => 8,
+        _ if avg < 16 || (avg < 32 && !(q4 && round64)) => 32,
+        _ => 64,
+    }
+}
+
+/// Token-tile width of a dense GEMM of `t` tokens: 32 for Q4 GEMMs of at most 32 tokens (the
+/// 64-token tile's second column of warps would hold no tokens), 64 for Q4 (register budget) and
+/// for short inputs, else 128.
+pub fn gemm_bn(fmt: WFormat, t: usize) -> usize {
+    match fmt {
+        WFormat::Q4 if t <= 32 => 32,
+        _ if fmt == WFormat::Q4 || t < 128 => 64,
+        _ => 128,
     }
 }
 
@@ -176,7 +185,7 @@ pub fn gemm_bn(fmt: WFormat, t: usize, grouped: Option<usize>) -> usize {
 /// its width.
 pub fn gemm_bn_dense(fmt: WFormat, t: usize, row_blocks: usize, sms: usize) -> usize {
     let blocks = |bn: usize| row_blocks * t.div_ceil(bn);
-    let mut bn = gemm_bn(fmt, t, None);
+    let mut bn = gemm_bn(fmt, t);
     while bn > 32 && blocks(bn) < sms && (fmt == WFormat::Bf16 || blocks(bn / 2) <= sms) {
         bn /= 2;
     }
@@ -468,7 +477,7 @@ pub fn gemm_each(c: &Ctx, ws: &[&GpuLinear], x: &GemmX, t: usize, outs: &[u64]) 
         seg[i] = GemmSeg { w: v.w_ptr(), sb: v.sb_ptr(), out, rows: v.rows as i32, ldo: v.rows as i32, rb0: rb as i32, pad: 0 };
         rb += v.rows.div_ceil(128);
     }
-    let bn = gemm_bn(w.fmt, t, None);
+    let bn = gemm_bn(w.fmt, t);
     let a = GemmArgs {
         w: w.w_ptr(),
         sb: w.sb_ptr(),
@@ -578,7 +587,7 @@ fn gemm_launch(
     // `gemm_bn_dense`, which would read and dequantise every weight tile once per token tile.
     let bn = match &grouped {
         Some(g) => g.bn,
-        None if kparts > 1 => gemm_bn(w.fmt, t, None),
+        None if kparts > 1 => gemm_bn(w.fmt, t),
         None => gemm_bn_dense(w.fmt, t, gx, c.gpu.sms as usize),
     };
     if !(matches!(bn, 32 | 64 | 128) || (bn == 8 && w.fmt == WFormat::Q4 && grouped.is_some())) {
@@ -695,15 +704,17 @@ mod tests {
 
     #[test]
     fn gemm_variants() {
-        assert_eq!(gemm_bn(WFormat::Q4, 4096, None), 64);
-        assert_eq!(gemm_bn(WFormat::Bf16, 4096, None), 128);
-        assert_eq!(gemm_bn(WFormat::Bf16, 4096, Some(128)), 64);
-        assert_eq!(gemm_bn(WFormat::Q4, 4096, Some(8)), 32);
-        // A 512-token prompt's experts (16 tokens each on average) on the 64-token tiles.
-        assert_eq!((gemm_bn(WFormat::Q4, 4096, Some(16)), gemm_bn(WFormat::Bf16, 4096, Some(16))), (64, 32));
-        assert_eq!((gemm_bn(WFormat::Q4, 512, Some(2)), gemm_bn(WFormat::Bf16, 512, Some(2))), (8, 32));
-        assert_eq!((gemm_bn(WFormat::Q4, 32, None), gemm_bn(WFormat::Q4, 33, None)), (32, 64));
-        assert_eq!(gemm_bn(WFormat::Bf16, 16, None), 64);
+        assert_eq!(gemm_bn(WFormat::Q4, 4096), 64);
+        assert_eq!(gemm_bn(WFormat::Bf16, 4096), 128);
+        assert_eq!(grouped_bn(WFormat::Bf16, 128, true), 64);
+        assert_eq!(grouped_bn(WFormat::Q4, 8, true), 32);
+        // A 512-token prompt's experts (16 tokens each on average) on the rounded 64-token tiles,
+        // not where Q4's 64-token tile is another kernel.
+        assert_eq!((grouped_bn(WFormat::Q4, 16, true), grouped_bn(WFormat::Bf16, 16, true)), (64, 32));
+        assert_eq!((grouped_bn(WFormat::Q4, 16, false), grouped_bn(WFormat::Q4, 32, false)), (32, 64));
+        assert_eq!((grouped_bn(WFormat::Q4, 2, true), grouped_bn(WFormat::Bf16, 2, true)), (8, 32));
+        assert_eq!((gemm_bn(WFormat::Q4, 32), gemm_bn(WFormat::Q4, 33)), (32, 64));
+        assert_eq!(gemm_bn(WFormat::Bf16, 16), 64);
         assert_eq!(gemm_kernel(WFormat::Q4, true, 32, true, Wg::MmaSync, false), "gemm_q4_pair_n32_kc");
         assert_eq!(gemm_kernel(WFormat::Bf16, false, 128, false, Wg::MmaSync, false), "gemm_bf16_n128");
         assert_eq!(gemm_kernel(WFormat::Q4, true, 64, true, Wg::Exact, false), "gemm_q4_pair_n64_kc_wg");
